@@ -1,0 +1,205 @@
+//! The RAM device (SPDK's malloc bdev): an anonymous private mapping, populated on first touch.
+
+use std::sync::Arc;
+
+use crate::inline::{InlineChannel, InlineExec};
+use crate::{BdevError, BlockDevice, DeviceInfo, IoChannel, IoError, IoOp, IoRequest};
+
+/// A device backed by process memory.
+#[derive(Debug)]
+pub struct MallocDevice {
+    inner: Arc<MallocInner>,
+}
+
+#[derive(Debug)]
+struct MallocInner {
+    base: *mut u8,
+    len: usize,
+    info: DeviceInfo,
+}
+
+// SAFETY: the mapping is owned by `MallocInner` for its whole life and only accessed through raw
+// pointer copies; concurrent I/O to overlapping ranges yields unspecified data, exactly as on a
+// real disk, and never touches memory outside the mapping.
+unsafe impl Send for MallocInner {}
+// SAFETY: see `Send`; no method hands out references into the mapping.
+unsafe impl Sync for MallocInner {}
+
+impl MallocDevice {
+    /// A zero-filled RAM device of `num_blocks` blocks of `block_size` bytes.
+    pub fn new(num_blocks: u64, block_size: u32) -> Result<Self, BdevError> {
+        if !matches!(block_size, 512 | 1024 | 2048 | 4096) {
+            return Err(BdevError::Invalid(format!(
+                "block size {block_size} is not 512, 1024, 2048 or 4096"
+            )));
+        }
+        let len = num_blocks
+            .checked_mul(u64::from(block_size))
+            .and_then(|l| usize::try_from(l).ok())
+            .filter(|&l| l > 0)
+            .ok_or_else(|| BdevError::Invalid(format!("bad size: {num_blocks} blocks")))?;
+        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(BdevError::io("mmap", std::io::Error::last_os_error()));
+        }
+        Ok(MallocDevice {
+            inner: Arc::new(MallocInner {
+                base: base.cast(),
+                len,
+                info: DeviceInfo {
+                    block_size,
+                    num_blocks,
+                    read_only: false,
+                    volatile_cache: false,
+                    discard: true,
+                    write_zeroes: true,
+                    buf_align: 1,
+                    physical_block_size: block_size,
+                    optimal_io_size: 0,
+                },
+            }),
+        })
+    }
+}
+
+impl Drop for MallocInner {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` is the mapping created in `MallocDevice::new`; no channel holds a
+        // reference any more (they hold an `Arc` to this value).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+impl MallocInner {
+    /// Zeroes `[off, off+len)`, returning whole pages to the kernel.
+    ///
+    /// # Safety
+    ///
+    /// The range must be inside the mapping.
+    unsafe fn zero(&self, off: usize, len: usize) {
+        const PAGE: usize = 4096;
+        let end = off + len;
+        let first = off.div_ceil(PAGE) * PAGE;
+        let last = end / PAGE * PAGE;
+        if first < last {
+            // SAFETY: in range by the caller's contract.
+            unsafe {
+                std::ptr::write_bytes(self.base.add(off), 0, first - off);
+                // MADV_DONTNEED on a private anonymous mapping makes the pages read as zeroes.
+                libc::madvise(
+                    self.base.add(first).cast(),
+                    last - first,
+                    libc::MADV_DONTNEED,
+                );
+                std::ptr::write_bytes(self.base.add(last), 0, end - last);
+            }
+        } else {
+            // SAFETY: in range by the caller's contract.
+            unsafe { std::ptr::write_bytes(self.base.add(off), 0, len) };
+        }
+    }
+}
+
+impl InlineExec for MallocInner {
+    fn info(&self) -> DeviceInfo {
+        self.info.clone()
+    }
+
+    unsafe fn exec(&self, req: &IoRequest<'_>) -> Result<u64, IoError> {
+        // The request was validated against `info`, so offset + len <= self.len.
+        let mut off = req.offset as usize;
+        match req.op {
+            IoOp::Read => {
+                for v in req.iov {
+                    // SAFETY: the source range is inside the mapping (validated); the destination
+                    // is a caller buffer valid for `iov_len` bytes; they cannot overlap since the
+                    // mapping is private to this device.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.base.add(off),
+                            v.iov_base.cast::<u8>(),
+                            v.iov_len,
+                        )
+                    };
+                    off += v.iov_len;
+                }
+                Ok(req.len)
+            }
+            IoOp::Write => {
+                for v in req.iov {
+                    // SAFETY: as for reads, with source and destination swapped.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            v.iov_base.cast::<u8>().cast_const(),
+                            self.base.add(off),
+                            v.iov_len,
+                        )
+                    };
+                    off += v.iov_len;
+                }
+                Ok(req.len)
+            }
+            IoOp::Flush => Ok(0),
+            IoOp::Discard | IoOp::WriteZeroes { .. } => {
+                // SAFETY: the range was validated to lie inside the device.
+                unsafe { self.zero(off, req.len as usize) };
+                Ok(0)
+            }
+        }
+    }
+}
+
+impl BlockDevice for MallocDevice {
+    fn info(&self) -> DeviceInfo {
+        self.inner.info.clone()
+    }
+
+    fn open_channel(
+        &self,
+        depth: usize,
+        max_segments: usize,
+    ) -> Result<Box<dyn IoChannel>, BdevError> {
+        Ok(Box::new(InlineChannel::new(
+            self.inner.clone(),
+            depth,
+            max_segments,
+        )))
+    }
+
+    fn describe(&self) -> String {
+        format!("malloc ({} bytes)", self.inner.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync::SyncIo;
+
+    #[test]
+    fn write_read_zero() {
+        let dev = MallocDevice::new(64, 512).unwrap();
+        let mut io = SyncIo::new(&dev).unwrap();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        io.write_at(4096, &data).unwrap();
+        let mut back = vec![0u8; 8192];
+        io.read_at(4096, &mut back).unwrap();
+        assert_eq!(back, data);
+        io.write_zeroes(4096 + 512, 4096, true).unwrap();
+        io.read_at(4096, &mut back).unwrap();
+        assert_eq!(&back[..512], &data[..512]);
+        assert!(back[512..4608].iter().all(|&b| b == 0));
+        assert_eq!(&back[4608..], &data[4608..]);
+        assert!(io.read_at(64 * 512 - 512, &mut back).is_err());
+    }
+}

@@ -1,0 +1,3 @@
+//! Benchmarks for katablk: a vhost-user-blk load generator and report tooling.
+
+#![deny(missing_docs)]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs everything katablk's build, tests and benchmarks need on Debian 12 (run as root).
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+need=()
+for p in qemu-utils pkg-config; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+if ! command -v cargo-nextest >/dev/null 2>&1; then
+    cargo install --locked cargo-nextest
+fi

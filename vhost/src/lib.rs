@@ -1,0 +1,3 @@
+//! vhost-user-blk backend.
+
+#![deny(missing_docs)]
