@@ -135,7 +135,11 @@ impl FileDevice {
             volatile_cache: true,
             discard: true,
             write_zeroes: true,
-            buf_align: if opts.direct { block_size.max(dev_lbs) } else { 1 },
+            buf_align: if opts.direct {
+                block_size.max(dev_lbs)
+            } else {
+                1
+            },
             physical_block_size: dev_pbs.max(block_size),
             optimal_io_size: 0,
         };

@@ -12,8 +12,8 @@
 #![deny(missing_docs)]
 
 mod error;
-mod inline;
 pub mod file;
+mod inline;
 pub mod malloc;
 pub mod null;
 pub mod sync;

@@ -1,0 +1,748 @@
+//! Queue workers: one thread per group of virtqueues, each taking requests from its queues'
+//! available rings, submitting them to the block device's I/O channel with buffers that point into
+//! guest memory, and putting completions in the used ring.
+//!
+//! Adaptive polling: while requests arrive or complete, and for `poll_us` after the last one, a
+//! worker busy-polls its rings with guest notifications suppressed; then it re-enables
+//! notifications and sleeps in `epoll_wait` on the kick eventfds and the channels' completion
+//! eventfds, so an idle device costs no CPU.
+
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use katablk_bdev::{iovec, BlockDevice, Completion, IoChannel, IoOp, IoRequest, SubmitError};
+use tracing::{debug, error, warn};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::chain::{self, Seg};
+use crate::config::SECTOR_SIZE;
+use crate::inflight::InflightQueue;
+use crate::request::{self, Kind, Range, Request, Status};
+use crate::{Error, GuestMem};
+
+/// State of the device shared by the backend and its workers.
+pub(crate) struct DeviceShared {
+    pub dev: Arc<dyn BlockDevice>,
+    pub serial: String,
+    pub read_only: bool,
+    pub writeback: AtomicBool,
+    pub poll: Duration,
+    pub seg_max: usize,
+    pub stats: crate::Stats,
+}
+
+/// A started virtqueue, handed to a worker.
+pub(crate) struct VringCtx {
+    pub index: u16,
+    pub queue: Queue,
+    pub kick: EventFd,
+    pub call: Option<EventFd>,
+    pub inflight: Option<InflightQueue>,
+    /// Heads recovered from the inflight region, resubmitted before new requests.
+    pub resubmit: VecDeque<u16>,
+    pub counter: u64,
+}
+
+/// Messages from the backend to a worker.
+pub(crate) enum Cmd {
+    Start(Box<VringCtx>),
+    /// Stop a queue once its in-flight requests have completed, and hand it back.
+    Stop {
+        index: u16,
+        reply: mpsc::Sender<Option<Box<VringCtx>>>,
+    },
+    SetCall {
+        index: u16,
+        call: Option<EventFd>,
+    },
+    Exit,
+}
+
+/// The backend's handle on one worker thread.
+pub(crate) struct WorkerHandle {
+    cmds: Arc<Mutex<VecDeque<Cmd>>>,
+    pending: Arc<AtomicBool>,
+    wake: EventFd,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    pub fn spawn(
+        id: usize,
+        shared: Arc<DeviceShared>,
+        mem: GuestMemoryAtomic<GuestMem>,
+        cpu: Option<usize>,
+    ) -> Result<Self, Error> {
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Sys("eventfd", e))?;
+        let cmds = Arc::new(Mutex::new(VecDeque::new()));
+        let pending = Arc::new(AtomicBool::new(false));
+        let epoll = Epoll::new().map_err(|e| Error::Sys("epoll_create", e))?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                wake.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, WAKE_TOKEN),
+            )
+            .map_err(|e| Error::Sys("epoll_ctl", e))?;
+        let mut worker = Worker {
+            epoll,
+            wake: wake.try_clone().map_err(|e| Error::Sys("eventfd", e))?,
+            cmds: cmds.clone(),
+            pending: pending.clone(),
+            shared,
+            mem,
+            queues: Vec::new(),
+            done: Vec::with_capacity(256),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("katablk-q{id}"))
+            .spawn(move || {
+                if let Some(cpu) = cpu {
+                    pin_to_cpu(cpu);
+                }
+                worker.run();
+            })
+            .map_err(|e| Error::Sys("spawn worker", e))?;
+        Ok(WorkerHandle {
+            cmds,
+            pending,
+            wake,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn send(&self, cmd: Cmd) {
+        if let Ok(mut q) = self.cmds.lock() {
+            q.push_back(cmd);
+        }
+        self.pending.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+    }
+
+    /// Stops queue `index` and waits for it to drain.
+    pub fn stop(&self, index: u16) -> Option<Box<VringCtx>> {
+        let (tx, rx) = mpsc::channel();
+        self.send(Cmd::Stop { index, reply: tx });
+        rx.recv().ok().flatten()
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.send(Cmd::Exit);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only touch
+    // that local set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            warn!(
+                cpu,
+                "cannot pin worker: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+const WAKE_TOKEN: u64 = u64::MAX;
+
+/// Per-request state, preallocated per queue entry.
+struct Slot {
+    head: u16,
+    req: Option<Request>,
+    /// Next discard / write-zeroes range to submit.
+    next_range: usize,
+    /// A flush follows the write (write-through mode).
+    flush_after: bool,
+    status: Status,
+    /// Guest memory snapshot the buffers point into; kept until completion so a memory region
+    /// removed meanwhile stays mapped.
+    mem: Option<Arc<GuestMem>>,
+    segs: Vec<Seg>,
+    iov: Vec<iovec>,
+    ranges: Vec<Range>,
+}
+
+// SAFETY: the raw pointers in `iov` point into guest memory kept alive by `mem` and are only used
+// by the worker that owns the slot.
+unsafe impl Send for Slot {}
+
+/// A queue being served by a worker.
+struct Active {
+    ctx: Box<VringCtx>,
+    chan: Box<dyn IoChannel>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    stopping: Option<mpsc::Sender<Option<Box<VringCtx>>>>,
+    broken: bool,
+    has_notify: bool,
+}
+
+struct Worker {
+    epoll: Epoll,
+    wake: EventFd,
+    cmds: Arc<Mutex<VecDeque<Cmd>>>,
+    pending: Arc<AtomicBool>,
+    shared: Arc<DeviceShared>,
+    mem: GuestMemoryAtomic<GuestMem>,
+    queues: Vec<Active>,
+    done: Vec<Completion>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut last_busy = Instant::now();
+        let mut notify_on = true;
+        let poll = self.shared.poll;
+        loop {
+            if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
+                return;
+            }
+            let mut progress = false;
+            let mem = self.mem.memory().into_inner();
+            for i in 0..self.queues.len() {
+                progress |= self.service(i, &mem);
+            }
+            self.finish_stops();
+            if progress {
+                last_busy = Instant::now();
+                if !poll.is_zero() && notify_on {
+                    for q in &mut self.queues {
+                        let _ = q.ctx.queue.disable_notification(&*mem);
+                    }
+                    notify_on = false;
+                }
+                continue;
+            }
+            let must_spin = self
+                .queues
+                .iter()
+                .any(|q| !q.has_notify && q.chan.in_flight() > 0);
+            if must_spin || (!poll.is_zero() && last_busy.elapsed() < poll) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if !notify_on {
+                notify_on = true;
+                let mut more = false;
+                for q in &mut self.queues {
+                    if !q.broken {
+                        more |= q.ctx.queue.enable_notification(&*mem).unwrap_or(false);
+                    }
+                }
+                if more {
+                    continue;
+                }
+            }
+            drop(mem);
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
+                Err(e) => {
+                    error!("epoll_wait: {e}");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                let t = ev.data();
+                if t == WAKE_TOKEN {
+                    let _ = self.wake.read();
+                    continue;
+                }
+                let index = (t / 2) as u16;
+                if let Some(q) = self.queues.iter_mut().find(|q| q.ctx.index == index) {
+                    if t % 2 == 0 {
+                        let _ = q.ctx.kick.read();
+                    } else {
+                        q.chan.clear_notify();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies pending commands; false on exit.
+    fn handle_cmds(&mut self) -> bool {
+        loop {
+            let cmd = match self.cmds.lock() {
+                Ok(mut q) => q.pop_front(),
+                Err(_) => return false,
+            };
+            let Some(cmd) = cmd else { return true };
+            match cmd {
+                Cmd::Exit => {
+                    // Drain what is in flight so no request touches memory after we return.
+                    for i in 0..self.queues.len() {
+                        self.drain(i);
+                    }
+                    self.queues.clear();
+                    return false;
+                }
+                Cmd::Start(ctx) => self.start(ctx),
+                Cmd::Stop { index, reply } => {
+                    match self.queues.iter_mut().find(|q| q.ctx.index == index) {
+                        Some(q) => q.stopping = Some(reply),
+                        None => {
+                            let _ = reply.send(None);
+                        }
+                    }
+                }
+                Cmd::SetCall { index, call } => {
+                    if let Some(q) = self.queues.iter_mut().find(|q| q.ctx.index == index) {
+                        q.ctx.call = call;
+                    }
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, ctx: Box<VringCtx>) {
+        let size = usize::from(ctx.queue.size());
+        let chan = match self.shared.dev.open_channel(size, self.shared.seg_max + 2) {
+            Ok(c) => c,
+            Err(e) => {
+                error!(queue = ctx.index, "cannot open I/O channel: {e}");
+                return;
+            }
+        };
+        let index = ctx.index;
+        let kick_fd = ctx.kick.as_raw_fd();
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Add,
+            kick_fd,
+            EpollEvent::new(EventSet::IN, u64::from(index) * 2),
+        ) {
+            error!(queue = index, "epoll add kick: {e}");
+            return;
+        }
+        let notify = chan.notify_fd();
+        if let Some(fd) = notify {
+            if let Err(e) = self.epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, u64::from(index) * 2 + 1),
+            ) {
+                error!(queue = index, "epoll add completion fd: {e}");
+            }
+        }
+        let slots = (0..size)
+            .map(|_| Slot {
+                head: 0,
+                req: None,
+                next_range: 0,
+                flush_after: false,
+                status: Status::Ok,
+                mem: None,
+                segs: Vec::new(),
+                iov: Vec::new(),
+                ranges: Vec::new(),
+            })
+            .collect();
+        debug!(queue = index, size, "queue started");
+        self.queues.push(Active {
+            ctx,
+            chan,
+            slots,
+            free: (0..size as u16).rev().collect(),
+            stopping: None,
+            broken: false,
+            has_notify: notify.is_some(),
+        });
+        // Requests may have been queued before the kick was registered.
+        let _ = self.wake.write(1);
+    }
+
+    /// Waits for every in-flight request of queue `i`.
+    fn drain(&mut self, i: usize) {
+        let mem = self.mem.memory().into_inner();
+        while self.queues[i].chan.in_flight() > 0 {
+            self.reap(i, &mem);
+            if self.queues[i].chan.in_flight() > 0 {
+                let _ = self.queues[i].chan.wait(Some(Duration::from_millis(100)));
+            }
+        }
+        self.reap(i, &mem);
+        self.notify(i, &mem);
+    }
+
+    /// Hands back queues whose stop was requested once they have drained.
+    fn finish_stops(&mut self) {
+        let mut i = 0;
+        while i < self.queues.len() {
+            if self.queues[i].stopping.is_some() {
+                self.drain(i);
+                let q = self.queues.swap_remove(i);
+                let _ = self.epoll.ctl(
+                    ControlOperation::Delete,
+                    q.ctx.kick.as_raw_fd(),
+                    EpollEvent::default(),
+                );
+                if let Some(fd) = q.chan.notify_fd() {
+                    let _ = self
+                        .epoll
+                        .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                }
+                debug!(queue = q.ctx.index, "queue stopped");
+                if let Some(reply) = q.stopping {
+                    let _ = reply.send(Some(q.ctx));
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Reaps completions and takes new requests of queue `i`; true if anything happened.
+    fn service(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
+        let mut progress = self.reap(i, mem);
+        if !self.queues[i].broken && self.queues[i].stopping.is_none() {
+            progress |= self.take(i, mem);
+        }
+        if progress {
+            self.notify(i, mem);
+        }
+        progress
+    }
+
+    fn notify(&mut self, i: usize, mem: &Arc<GuestMem>) {
+        let q = &mut self.queues[i];
+        if q.broken {
+            return;
+        }
+        match q.ctx.queue.needs_notification(&**mem) {
+            Ok(true) => {
+                if let Some(call) = &q.ctx.call {
+                    let _ = call.write(1);
+                }
+            }
+            Ok(false) => {}
+            Err(e) => {
+                warn!(queue = q.ctx.index, "used ring inaccessible: {e}");
+            }
+        }
+    }
+
+    /// Takes new requests from the available ring while slots are free.
+    fn take(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
+        let mut took = false;
+        let shared = self.shared.clone();
+        loop {
+            let q = &mut self.queues[i];
+            let Some(&slot_idx) = q.free.last() else {
+                break;
+            };
+            let head = if let Some(h) = q.ctx.resubmit.pop_front() {
+                h
+            } else {
+                match q.ctx.queue.pop_descriptor_chain(&**mem) {
+                    Some(c) => {
+                        let h = c.head_index();
+                        q.ctx.counter += 1;
+                        if let Some(inf) = &q.ctx.inflight {
+                            inf.begin(h, q.ctx.counter);
+                        }
+                        h
+                    }
+                    None => break,
+                }
+            };
+            q.free.pop();
+            took = true;
+            let desc_table = GuestAddress(q.ctx.queue.desc_table());
+            let size = q.ctx.queue.size();
+            let slot = &mut q.slots[usize::from(slot_idx)];
+            slot.head = head;
+            slot.next_range = 0;
+            slot.flush_after = false;
+            slot.status = Status::Ok;
+            slot.req = None;
+            slot.mem = Some(mem.clone());
+            let walked = chain::walk(
+                mem,
+                desc_table,
+                size,
+                head,
+                &mut slot.segs,
+                shared.seg_max + 2,
+            );
+            if let Err(e) = walked {
+                debug!(queue = q.ctx.index, head, "bad descriptor chain: {e}");
+                shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                slot.status = Status::IoErr;
+                self.complete(i, slot_idx, mem);
+                continue;
+            }
+            match request::parse(
+                mem,
+                &slot.segs,
+                &mut slot.iov,
+                &mut slot.ranges,
+                shared.seg_max + 2,
+            ) {
+                Ok(req) => {
+                    slot.req = Some(req);
+                    self.dispatch(i, slot_idx, mem);
+                }
+                Err(e) => {
+                    debug!(queue = q.ctx.index, head, "bad request: {e}");
+                    shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    slot.status = e.status();
+                    self.complete(i, slot_idx, mem);
+                }
+            }
+        }
+        if took {
+            if let Err(e) = self.queues[i].chan.commit() {
+                error!(queue = self.queues[i].ctx.index, "commit: {e}");
+            }
+        }
+        took
+    }
+
+    /// Starts (or continues) the device work of a parsed request.
+    fn dispatch(&mut self, i: usize, slot_idx: u16, mem: &Arc<GuestMem>) {
+        let shared = &self.shared;
+        let info = shared.dev.info();
+        let q = &mut self.queues[i];
+        let slot = &mut q.slots[usize::from(slot_idx)];
+        let Some(req) = slot.req else {
+            return;
+        };
+        let read_only = shared.read_only || info.read_only;
+        let bs = u64::from(info.block_size);
+        let size = info.size_bytes();
+        let token = u64::from(slot_idx);
+        let check = |sector: u64, len: u64| -> Option<u64> {
+            let off = sector.checked_mul(SECTOR_SIZE)?;
+            let end = off.checked_add(len)?;
+            (off % bs == 0 && len % bs == 0 && end <= size).then_some(off)
+        };
+        let result: Result<bool, Status> = match req.kind {
+            Kind::GetId => {
+                if request::write_id(mem, &slot.segs, &shared.serial).is_ok() {
+                    Ok(false)
+                } else {
+                    Err(Status::IoErr)
+                }
+            }
+            Kind::In | Kind::Out => {
+                if req.kind == Kind::Out && read_only {
+                    Err(Status::IoErr)
+                } else if let Some(off) = check(req.sector, req.data_len) {
+                    if req.data_len == 0 {
+                        Ok(false)
+                    } else {
+                        let op = if req.kind == Kind::In {
+                            IoOp::Read
+                        } else {
+                            slot.flush_after = !shared.writeback.load(Ordering::Relaxed);
+                            IoOp::Write
+                        };
+                        let r = IoRequest {
+                            op,
+                            offset: off,
+                            len: req.data_len,
+                            iov: &slot.iov,
+                            token,
+                        };
+                        // SAFETY: the iovecs point into guest memory kept mapped by `slot.mem`
+                        // until the completion is reaped; the device owns the buffers until then
+                        // (the worker does not touch them).
+                        submit(&mut *q.chan, &r)
+                    }
+                } else {
+                    debug!(
+                        queue = q.ctx.index,
+                        sector = req.sector,
+                        len = req.data_len,
+                        "request out of range"
+                    );
+                    Err(Status::IoErr)
+                }
+            }
+            Kind::Flush => submit(&mut *q.chan, &IoRequest::no_data(IoOp::Flush, 0, 0, token)),
+            Kind::Discard | Kind::WriteZeroes => {
+                if read_only {
+                    Err(Status::IoErr)
+                } else {
+                    match slot.ranges.get(slot.next_range).copied() {
+                        None => Ok(false),
+                        Some(r) => {
+                            slot.next_range += 1;
+                            let len = u64::from(r.num_sectors) * SECTOR_SIZE;
+                            match check(r.sector, len) {
+                                None => Err(Status::IoErr),
+                                Some(_) if len == 0 => Ok(false),
+                                Some(off) => {
+                                    let op = if req.kind == Kind::Discard {
+                                        IoOp::Discard
+                                    } else {
+                                        IoOp::WriteZeroes { unmap: r.unmap }
+                                    };
+                                    match submit(
+                                        &mut *q.chan,
+                                        &IoRequest::no_data(op, off, len, token),
+                                    ) {
+                                        // Discard is a hint: a device without it succeeds.
+                                        Err(Status::Unsupp) if req.kind == Kind::Discard => {
+                                            Ok(false)
+                                        }
+                                        other => other,
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(true) => {}
+            Ok(false) => {
+                if slot.next_range < slot.ranges.len() {
+                    // Zero-length range done inline; continue with the next one.
+                    self.dispatch(i, slot_idx, mem);
+                } else {
+                    self.complete(i, slot_idx, mem);
+                }
+            }
+            Err(s) => {
+                slot.status = s;
+                self.complete(i, slot_idx, mem);
+            }
+        }
+    }
+
+    /// Reaps finished device requests of queue `i`.
+    fn reap(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
+        self.done.clear();
+        let mut done = std::mem::take(&mut self.done);
+        let n = self.queues[i].chan.poll(&mut done);
+        for c in &done {
+            let slot_idx = c.token as u16;
+            let q = &mut self.queues[i];
+            let Some(slot) = q.slots.get_mut(usize::from(slot_idx)) else {
+                continue;
+            };
+            let Some(req) = slot.req else { continue };
+            match c.result {
+                Err(e) => {
+                    warn!(queue = q.ctx.index, sector = req.sector, kind = ?req.kind, "I/O error: {e}");
+                    self.shared.stats.io_errors.fetch_add(1, Ordering::Relaxed);
+                    slot.status = Status::IoErr;
+                    self.complete(i, slot_idx, mem);
+                }
+                Ok(_) => {
+                    if slot.flush_after {
+                        slot.flush_after = false;
+                        let r = IoRequest::no_data(IoOp::Flush, 0, 0, c.token);
+                        if let Err(s) = submit(&mut *q.chan, &r) {
+                            slot.status = s;
+                            self.complete(i, slot_idx, mem);
+                        } else {
+                            let _ = q.chan.commit();
+                        }
+                    } else if slot.next_range < slot.ranges.len() {
+                        self.dispatch(i, slot_idx, mem);
+                        let _ = self.queues[i].chan.commit();
+                    } else {
+                        self.account(&req);
+                        self.complete(i, slot_idx, mem);
+                    }
+                }
+            }
+        }
+        self.done = done;
+        n > 0
+    }
+
+    fn account(&self, req: &Request) {
+        let s = &self.shared.stats;
+        match req.kind {
+            Kind::In => {
+                s.read_ops.fetch_add(1, Ordering::Relaxed);
+                s.read_bytes.fetch_add(req.data_len, Ordering::Relaxed);
+            }
+            Kind::Out => {
+                s.write_ops.fetch_add(1, Ordering::Relaxed);
+                s.write_bytes.fetch_add(req.data_len, Ordering::Relaxed);
+            }
+            Kind::Flush => {
+                s.flush_ops.fetch_add(1, Ordering::Relaxed);
+            }
+            Kind::Discard | Kind::WriteZeroes => {
+                s.unmap_ops.fetch_add(1, Ordering::Relaxed);
+            }
+            Kind::GetId => {}
+        }
+    }
+
+    /// Writes the status, puts the head in the used ring and frees the slot.
+    fn complete(&mut self, i: usize, slot_idx: u16, mem: &Arc<GuestMem>) {
+        let q = &mut self.queues[i];
+        let slot = &mut q.slots[usize::from(slot_idx)];
+        let used_len = match (slot.status, slot.req) {
+            (Status::Ok, Some(r)) => r.used_len,
+            _ => 1,
+        };
+        let status = slot
+            .req
+            .map(|r| r.status)
+            .or_else(|| request::status_addr(&slot.segs));
+        let used_len = match status {
+            Some(addr) => {
+                if !request::write_status(mem, addr, slot.status) {
+                    debug!(queue = q.ctx.index, "status byte not writable");
+                }
+                used_len
+            }
+            None => 0,
+        };
+        let head = slot.head;
+        slot.mem = None;
+        slot.req = None;
+        if let Some(inf) = &q.ctx.inflight {
+            inf.pre_put(head);
+        }
+        if let Err(e) = q.ctx.queue.add_used(&**mem, head, used_len) {
+            error!(
+                queue = q.ctx.index,
+                "cannot add to used ring: {e}; queue stopped"
+            );
+            q.broken = true;
+        }
+        if let Some(inf) = &q.ctx.inflight {
+            inf.post_put(head, q.ctx.queue.next_used());
+        }
+        q.free.push(slot_idx);
+    }
+}
+
+/// Submits one request, mapping refusals to a virtio status; Ok(true) when queued.
+fn submit(chan: &mut dyn IoChannel, r: &IoRequest<'_>) -> Result<bool, Status> {
+    // SAFETY: callers pass buffers that stay valid until the completion is reaped (see
+    // `Worker::dispatch`); requests without buffers carry no pointers.
+    match unsafe { chan.submit(r) } {
+        Ok(()) => Ok(true),
+        Err(SubmitError::Unsupported) => Err(Status::Unsupp),
+        Err(e) => {
+            debug!("request refused by device: {e}");
+            Err(Status::IoErr)
+        }
+    }
+}

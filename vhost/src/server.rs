@@ -1,0 +1,296 @@
+//! The listening side: a unix socket served to one frontend at a time, until shutdown.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use katablk_bdev::{sync::SyncIo, BlockDevice};
+use tracing::{debug, info, warn};
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::backend::BlkBackend;
+use crate::queue::DeviceShared;
+use crate::{BlkOptions, Error, StatsSnapshot};
+
+/// Longest usable unix socket path (`sun_path` is 108 bytes with the terminating NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// A vhost-user-blk device listening on a unix socket.
+pub struct VhostBlkServer {
+    path: PathBuf,
+    listener: UnixListener,
+    backend: Arc<Mutex<BlkBackend>>,
+    shared: Arc<DeviceShared>,
+    stop: Arc<EventFd>,
+}
+
+/// Stops a running server from another thread (or a signal handler thread).
+#[derive(Clone)]
+pub struct ShutdownHandle(Arc<EventFd>);
+
+impl ShutdownHandle {
+    /// Asks the server to finish: in-flight requests complete, the device is flushed, the socket
+    /// is removed.
+    pub fn shutdown(&self) {
+        let _ = self.0.write(1);
+    }
+}
+
+/// A server running on its own thread.
+pub struct ServerHandle {
+    stop: ShutdownHandle,
+    thread: Option<std::thread::JoinHandle<Result<(), Error>>>,
+    shared: Arc<DeviceShared>,
+}
+
+impl ServerHandle {
+    /// I/O counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Stops the server and waits for it.
+    pub fn stop(mut self) -> Result<(), Error> {
+        self.stop.shutdown();
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(Error::Config("server thread panicked".into())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.stop.shutdown();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Checks that `path` can be bound, removing a stale socket left by a dead server.
+fn prepare_socket_path(path: &Path) -> Result<(), Error> {
+    let sock_err = |reason: String| Error::Socket {
+        path: path.display().to_string(),
+        reason,
+    };
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(sock_err(format!(
+            "path is {len} bytes long; unix socket paths are limited to {MAX_SOCKET_PATH}"
+        )));
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(sock_err("another server is listening on it".into()));
+            }
+            info!(path = %path.display(), "removing stale socket");
+            std::fs::remove_file(path).map_err(|e| sock_err(format!("cannot remove: {e}")))
+        }
+        Ok(_) => Err(sock_err("exists and is not a socket".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() && !p.is_dir() => Err(sock_err(format!(
+                "directory {} does not exist",
+                p.display()
+            ))),
+            _ => Ok(()),
+        },
+        Err(e) => Err(sock_err(e.to_string())),
+    }
+}
+
+fn poll_two(a: i32, b: i32, timeout_ms: i32) -> std::io::Result<(bool, bool)> {
+    let mut fds = [
+        libc::pollfd {
+            fd: a,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: b,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: `fds` is a valid array of two pollfd structures for the duration of the call.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok((fds[0].revents != 0, fds[1].revents != 0));
+    }
+}
+
+impl VhostBlkServer {
+    /// Binds `socket` (removing a stale socket) for a device served with `opts`. With `mode`,
+    /// the socket file gets those permission bits (e.g. 0o660 for a VMM in a group).
+    pub fn bind(
+        socket: impl AsRef<Path>,
+        dev: Arc<dyn BlockDevice>,
+        opts: BlkOptions,
+        mode: Option<u32>,
+    ) -> Result<Self, Error> {
+        let path = socket.as_ref().to_path_buf();
+        opts.validate()?;
+        let info = dev.info();
+        let shared = Arc::new(DeviceShared {
+            read_only: opts.read_only || info.read_only,
+            writeback: AtomicBool::new(opts.writeback),
+            poll: Duration::from_micros(u64::from(opts.poll_us)),
+            seg_max: opts.seg_max() as usize,
+            serial: opts.serial.clone(),
+            stats: Default::default(),
+            dev,
+        });
+        let backend = Arc::new(Mutex::new(BlkBackend::new(shared.clone(), opts)?));
+        prepare_socket_path(&path)?;
+        let listener = UnixListener::bind(&path).map_err(|e| Error::Socket {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        if let Some(mode) = mode {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).map_err(
+                |e| Error::Socket {
+                    path: path.display().to_string(),
+                    reason: format!("chmod: {e}"),
+                },
+            )?;
+        }
+        let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Sys("eventfd", e))?);
+        Ok(VhostBlkServer {
+            path,
+            listener,
+            backend,
+            shared,
+            stop,
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A handle to stop [`VhostBlkServer::run`].
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle(self.stop.clone())
+    }
+
+    /// I/O counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Runs the server on a new thread.
+    pub fn spawn(self) -> Result<ServerHandle, Error> {
+        let stop = self.shutdown_handle();
+        let shared = self.shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("katablk-vhost".into())
+            .spawn(move || self.run())
+            .map_err(|e| Error::Sys("spawn server", e))?;
+        Ok(ServerHandle {
+            stop,
+            thread: Some(thread),
+            shared,
+        })
+    }
+
+    /// Serves frontends one after another until shut down; then flushes the device and removes
+    /// the socket.
+    pub fn run(self) -> Result<(), Error> {
+        info!(socket = %self.path.display(), device = %self.shared.dev.describe(), "serving");
+        let res = self.serve();
+        if let Ok(mut b) = self.backend.lock() {
+            b.disconnect();
+        }
+        if !self.shared.read_only {
+            match SyncIo::new(&*self.shared.dev).map(|mut io| io.flush()) {
+                Ok(Ok(())) => debug!("device flushed"),
+                Ok(Err(e)) => warn!("final flush failed: {e}"),
+                Err(e) => warn!("final flush failed: {e}"),
+            }
+        }
+        let _ = std::fs::remove_file(&self.path);
+        info!(socket = %self.path.display(), "stopped");
+        res
+    }
+
+    fn serve(&self) -> Result<(), Error> {
+        let lfd = self.listener.as_raw_fd();
+        let sfd = self.stop.as_raw_fd();
+        loop {
+            let (ready, stop) = poll_two(lfd, sfd, -1).map_err(|e| Error::Sys("poll", e))?;
+            if stop {
+                return Ok(());
+            }
+            if !ready {
+                continue;
+            }
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    warn!("accept: {e}");
+                    continue;
+                }
+            };
+            info!("frontend connected");
+            let stopped = self.serve_connection(stream);
+            if let Ok(mut b) = self.backend.lock() {
+                b.disconnect();
+            }
+            info!("frontend disconnected");
+            if stopped {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Handles one frontend's messages; true if shutdown was requested meanwhile.
+    fn serve_connection(&self, stream: UnixStream) -> bool {
+        let mut handler = BackendReqHandler::from_stream(stream, self.backend.clone());
+        let cfd = handler.as_raw_fd();
+        let sfd = self.stop.as_raw_fd();
+        loop {
+            match poll_two(cfd, sfd, -1) {
+                Ok((_, true)) => return true,
+                Ok((false, false)) => continue,
+                Ok((true, false)) => {}
+                Err(e) => {
+                    warn!("poll: {e}");
+                    return false;
+                }
+            }
+            match handler.handle_request() {
+                Ok(()) => {}
+                Err(VuError::Disconnected) => return false,
+                Err(
+                    e @ (VuError::InvalidParam
+                    | VuError::InvalidOperation(_)
+                    | VuError::ReqHandlerError(_)
+                    | VuError::InactiveFeature(_)
+                    | VuError::InactiveOperation(_)
+                    | VuError::FeatureMismatch),
+                ) => {
+                    warn!("request refused: {e}");
+                }
+                Err(e) => {
+                    warn!("dropping frontend: {e}");
+                    return false;
+                }
+            }
+        }
+    }
+}
