@@ -237,17 +237,18 @@ impl Worker {
                 std::hint::spin_loop();
                 continue;
             }
-            if !notify_on {
-                notify_on = true;
-                let mut more = false;
-                for q in &mut self.queues {
-                    if !q.broken {
-                        more |= q.ctx.queue.enable_notification(&*mem).unwrap_or(false);
-                    }
+            // Re-arm notifications before sleeping (with EVENT_IDX this publishes avail_event,
+            // without which the driver would stop kicking), then look once more for requests
+            // that raced with it.
+            notify_on = true;
+            let mut more = false;
+            for q in &mut self.queues {
+                if !q.broken {
+                    more |= q.ctx.queue.enable_notification(&*mem).unwrap_or(false);
                 }
-                if more {
-                    continue;
-                }
+            }
+            if more {
+                continue;
             }
             drop(mem);
             let n = match self.epoll.wait(-1, &mut events) {
