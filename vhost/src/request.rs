@@ -342,3 +342,268 @@ pub fn write_id(mem: &GuestMem, segs: &[Seg], serial: &str) -> Result<(), Reques
 pub fn write_status(mem: &GuestMem, addr: GuestAddress, status: Status) -> bool {
     mem.write_obj(status as u8, addr).is_ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::{walk, ChainError};
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+    const F_INDIRECT: u16 = 4;
+    const HDR: u64 = 0x10_0000;
+    const DATA: u64 = 0x20_0000;
+    const STATUS: u64 = 0x30_0000;
+
+    fn mem() -> GuestMem {
+        GuestMem::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap()
+    }
+
+    fn d(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
+        RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next))
+    }
+
+    fn header(m: &GuestMem, ty: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[..4].copy_from_slice(&ty.to_le_bytes());
+        h[8..].copy_from_slice(&sector.to_le_bytes());
+        m.write_slice(&h, GuestAddress(HDR)).unwrap();
+    }
+
+    /// Stores `descs` at the start of the table of a 16-entry mock queue and parses head 0.
+    fn parse_chain(
+        m: &GuestMem,
+        descs: &[RawDescriptor],
+    ) -> Result<(Request, Vec<iovec>, Vec<Range>), String> {
+        let q = MockSplitQueue::new(m, 16);
+        for (i, desc) in descs.iter().enumerate() {
+            q.desc_table().store(i as u16, *desc).unwrap();
+        }
+        let mut segs = Vec::new();
+        walk(m, q.desc_table_addr(), 16, 0, &mut segs, 64).map_err(|e| e.to_string())?;
+        let mut iov = Vec::new();
+        let mut ranges = Vec::new();
+        let r = parse(m, &segs, &mut iov, &mut ranges, 64).map_err(|e| e.to_string())?;
+        Ok((r, iov, ranges))
+    }
+
+    #[test]
+    fn read_request() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_IN, 8);
+        let (r, iov, _) = parse_chain(
+            &m,
+            &[
+                d(HDR, 16, F_NEXT, 1),
+                d(DATA, 4096, F_NEXT | F_WRITE, 2),
+                d(DATA + 8192, 512, F_NEXT | F_WRITE, 3),
+                d(STATUS, 1, F_WRITE, 0),
+            ],
+        )
+        .unwrap();
+        assert_eq!(r.kind, Kind::In);
+        assert_eq!(r.sector, 8);
+        assert_eq!(r.data_len, 4608);
+        assert_eq!(r.used_len, 4609);
+        assert_eq!(r.status, GuestAddress(STATUS));
+        assert_eq!(iov.len(), 2);
+        let host = m.get_host_address(GuestAddress(DATA)).unwrap();
+        assert_eq!(iov[0].iov_base as usize, host as usize, "zero copy: points into guest RAM");
+    }
+
+    #[test]
+    fn write_with_header_and_data_in_one_descriptor() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_OUT, 0);
+        // Header, 1024 bytes of data and then the status, framed as one readable + one writable
+        // descriptor (no framing is assumed).
+        let (r, iov, _) =
+            parse_chain(&m, &[d(HDR, 16 + 1024, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).unwrap();
+        assert_eq!(r.kind, Kind::Out);
+        assert_eq!(r.data_len, 1024);
+        assert_eq!(iov.len(), 1);
+        let host = m.get_host_address(GuestAddress(HDR + 16)).unwrap();
+        assert_eq!(iov[0].iov_base as usize, host as usize);
+    }
+
+    #[test]
+    fn read_with_status_in_data_descriptor() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let (r, iov, _) =
+            parse_chain(&m, &[d(HDR, 16, F_NEXT, 1), d(DATA, 513, F_WRITE, 0)]).unwrap();
+        assert_eq!(r.data_len, 512);
+        assert_eq!(r.status, GuestAddress(DATA + 512));
+        assert_eq!(iov[0].iov_len, 512);
+    }
+
+    #[test]
+    fn flush_get_id_discard() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_FLUSH, 0);
+        let (r, _, _) = parse_chain(&m, &[d(HDR, 16, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).unwrap();
+        assert_eq!(r.kind, Kind::Flush);
+
+        header(&m, VIRTIO_BLK_T_GET_ID, 0);
+        let descs = [d(HDR, 16, F_NEXT, 1), d(DATA, 20, F_NEXT | F_WRITE, 2), d(STATUS, 1, F_WRITE, 0)];
+        let (r, _, _) = parse_chain(&m, &descs).unwrap();
+        assert_eq!(r.kind, Kind::GetId);
+        assert_eq!(r.used_len, 21);
+        let segs = [
+            Seg { addr: HDR, len: 16, writable: false },
+            Seg { addr: DATA, len: 20, writable: true },
+            Seg { addr: STATUS, len: 1, writable: true },
+        ];
+        write_id(&m, &segs, "katablk-serial-0001").unwrap();
+        let mut id = [0u8; 20];
+        m.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id[..19], b"katablk-serial-0001");
+        assert_eq!(id[19], 0);
+
+        header(&m, VIRTIO_BLK_T_WRITE_ZEROES, 0);
+        let mut rng = [0u8; 32];
+        rng[..8].copy_from_slice(&16u64.to_le_bytes());
+        rng[8..12].copy_from_slice(&8u32.to_le_bytes());
+        rng[12..16].copy_from_slice(&VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP.to_le_bytes());
+        rng[16..24].copy_from_slice(&64u64.to_le_bytes());
+        rng[24..28].copy_from_slice(&1u32.to_le_bytes());
+        m.write_slice(&rng, GuestAddress(DATA)).unwrap();
+        let descs = [d(HDR, 16, F_NEXT, 1), d(DATA, 32, F_NEXT, 2), d(STATUS, 1, F_WRITE, 0)];
+        let (r, _, ranges) = parse_chain(&m, &descs).unwrap();
+        assert_eq!(r.kind, Kind::WriteZeroes);
+        assert_eq!(
+            ranges,
+            vec![
+                Range { sector: 16, num_sectors: 8, unmap: true },
+                Range { sector: 64, num_sectors: 1, unmap: false }
+            ]
+        );
+        // The unmap flag is not valid for discard.
+        header(&m, VIRTIO_BLK_T_DISCARD, 0);
+        assert!(parse_chain(&m, &descs).unwrap_err().contains("flags"));
+    }
+
+    #[test]
+    fn malformed_chains() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let bad = |descs: &[RawDescriptor]| parse_chain(&m, descs).unwrap_err();
+        // No status byte.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(DATA, 512, 0, 0)]).contains("status"));
+        // Short header.
+        assert!(bad(&[d(HDR, 8, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).contains("header"));
+        // Data not a multiple of the sector size.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(DATA, 100, F_NEXT | F_WRITE, 2), d(STATUS, 1, F_WRITE, 0)])
+            .contains("multiple of 512"));
+        // Read with readable data.
+        assert!(bad(&[d(HDR, 16 + 512, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).contains("unexpected"));
+        // Readable after writable.
+        assert!(bad(&[d(HDR, 16, F_NEXT | F_WRITE, 1), d(DATA, 512, 0, 0)]).contains("readable"));
+        // A loop.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(DATA, 512, F_NEXT, 0)]).contains("too long"));
+        // Next index out of range.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 40)]).contains("out of range"));
+        // Buffer outside guest memory.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(0x4000_0000, 512, F_WRITE, 0)]).contains("not in guest memory"));
+        // Buffer that runs off the end of guest memory.
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(0x3f_ff00, 512, F_WRITE, 0)]).contains("not in guest memory"));
+        // Unknown type gets UNSUPP.
+        header(&m, 0x77, 0);
+        let segs = [Seg { addr: HDR, len: 16, writable: false }, Seg { addr: STATUS, len: 1, writable: true }];
+        let e = parse(&m, &segs, &mut Vec::new(), &mut Vec::new(), 64).unwrap_err();
+        assert_eq!(e, RequestError::Unsupported(0x77));
+        assert_eq!(e.status(), Status::Unsupp);
+    }
+
+    #[test]
+    fn indirect_tables() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let table = 0x38_0000u64;
+        let entries = [
+            SplitDescriptor::new(HDR, 16, F_NEXT, 1),
+            SplitDescriptor::new(DATA, 4096, F_NEXT | F_WRITE, 2),
+            SplitDescriptor::new(STATUS, 1, F_WRITE, 0),
+        ];
+        for (i, e) in entries.iter().enumerate() {
+            m.write_obj(*e, GuestAddress(table + 16 * i as u64)).unwrap();
+        }
+        let (r, _, _) = parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)]).unwrap();
+        assert_eq!(r.data_len, 4096);
+        // Indirect with NEXT set, ragged length, nested indirect: all refused.
+        assert!(parse_chain(&m, &[d(table, 48, F_INDIRECT | F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)])
+            .unwrap_err()
+            .contains("indirect"));
+        assert!(parse_chain(&m, &[d(table, 40, F_INDIRECT, 0)]).unwrap_err().contains("indirect"));
+        m.write_obj(SplitDescriptor::new(table, 48, F_INDIRECT, 0), GuestAddress(table + 16)).unwrap();
+        assert!(parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)]).unwrap_err().contains("indirect"));
+        // Indirect table loop.
+        m.write_obj(SplitDescriptor::new(DATA, 512, F_NEXT | F_WRITE, 0), GuestAddress(table + 16)).unwrap();
+        m.write_obj(SplitDescriptor::new(HDR, 16, F_NEXT, 1), GuestAddress(table)).unwrap();
+        let e = parse_chain(&m, &[d(table, 32, F_INDIRECT, 0)]).unwrap_err();
+        assert!(e.contains("too long") || e.contains("readable"), "{e}");
+        let _ = ChainError::TooLong;
+    }
+
+    #[test]
+    fn segment_limit() {
+        let m = mem();
+        header(&m, VIRTIO_BLK_T_IN, 0);
+        let mut descs = vec![d(HDR, 16, F_NEXT, 1)];
+        for i in 1..15u16 {
+            descs.push(d(DATA + u64::from(i) * 512, 512, F_NEXT | F_WRITE, i + 1));
+        }
+        descs.push(d(STATUS, 1, F_WRITE, 0));
+        let q = MockSplitQueue::new(&m, 16);
+        for (i, desc) in descs.iter().enumerate() {
+            q.desc_table().store(i as u16, *desc).unwrap();
+        }
+        let mut segs = Vec::new();
+        assert_eq!(
+            walk(&m, q.desc_table_addr(), 16, 0, &mut segs, 8),
+            Err(ChainError::TooManySegments(8))
+        );
+        walk(&m, q.desc_table_addr(), 16, 0, &mut segs, 16).unwrap();
+        let e = parse(&m, &segs, &mut Vec::new(), &mut Vec::new(), 4).unwrap_err();
+        assert_eq!(e, RequestError::TooManySegments);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// Random descriptor tables and headers: walking and parsing never panic, and every
+        /// iovec produced lies inside guest memory.
+        #[test]
+        fn fuzz_parser(
+            descs in proptest::collection::vec((0u64..0x41_0000, 0u32..0x2_0000, 0u16..8, 0u16..20), 1..16),
+            ty in proptest::prelude::prop_oneof![0u32..12, proptest::prelude::any::<u32>()],
+            sector in proptest::prelude::any::<u64>(),
+            payload in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let m = mem();
+            header(&m, ty, sector);
+            m.write_slice(&payload, GuestAddress(DATA)).unwrap();
+            let q = MockSplitQueue::new(&m, 16);
+            for (i, (a, l, f, n)) in descs.iter().enumerate() {
+                q.desc_table().store(i as u16, d(*a, *l, *f, *n)).unwrap();
+            }
+            let mut segs = Vec::new();
+            if walk(&m, q.desc_table_addr(), 16, 0, &mut segs, 32).is_ok() {
+                let mut iov = Vec::new();
+                let mut ranges = Vec::new();
+                if let Ok(r) = parse(&m, &segs, &mut iov, &mut ranges, 32) {
+                    let total: usize = iov.iter().map(|v| v.iov_len).sum();
+                    if matches!(r.kind, Kind::In | Kind::Out) {
+                        proptest::prop_assert_eq!(total as u64, r.data_len);
+                    }
+                    let base = m.get_host_address(GuestAddress(0)).unwrap() as usize;
+                    for v in &iov {
+                        let p = v.iov_base as usize;
+                        proptest::prop_assert!(p >= base && p + v.iov_len <= base + 0x40_0000);
+                    }
+                }
+            }
+        }
+    }
+}
