@@ -82,13 +82,17 @@ fn push_seg(
     addr: u64,
     len: u32,
     flags: u16,
+    bad: &mut Option<ChainError>,
 ) -> Result<(), ChainError> {
     let writable = flags & VIRTQ_DESC_F_WRITE != 0;
     if !writable && out.last().is_some_and(|s| s.writable) {
         return Err(ChainError::BadOrder);
     }
     if len > 0 && !mem.check_range(GuestAddress(addr), len as usize) {
-        return Err(ChainError::BadBuffer { addr, len });
+        // Keep walking so that the status byte can still be found and the request failed
+        // with IOERR; the bad buffer itself is left out.
+        bad.get_or_insert(ChainError::BadBuffer { addr, len });
+        return Ok(());
     }
     if out.len() >= max {
         return Err(ChainError::TooManySegments(max));
@@ -103,6 +107,9 @@ fn push_seg(
 
 /// Walks the chain starting at `head` of the descriptor table at `desc_table` (of a queue of
 /// `queue_size` entries), appending its buffers to `out` (cleared first), at most `max`.
+///
+/// A buffer outside guest memory makes the walk fail, but only after the rest of the chain was
+/// walked, so that `out` still ends with the status byte where the chain has one.
 pub fn walk(
     mem: &GuestMem,
     desc_table: GuestAddress,
@@ -112,6 +119,7 @@ pub fn walk(
     max: usize,
 ) -> Result<(), ChainError> {
     out.clear();
+    let mut bad = None;
     let mut idx = head;
     let mut seen = 0u32;
     loop {
@@ -135,9 +143,9 @@ pub fn walk(
             }
             return walk_indirect(mem, addr, len, out, max);
         }
-        push_seg(mem, out, max, addr, len, flags)?;
+        push_seg(mem, out, max, addr, len, flags, &mut bad)?;
         if flags & VIRTQ_DESC_F_NEXT == 0 {
-            return Ok(());
+            return bad.map_or(Ok(()), Err);
         }
         idx = next;
     }
@@ -155,6 +163,7 @@ fn walk_indirect(
         addr: table,
         len: table_len,
     })?;
+    let mut bad = None;
     let mut idx = 0u16;
     let mut seen = 0u32;
     loop {
@@ -172,9 +181,9 @@ fn walk_indirect(
                 len: table_len,
             });
         }
-        push_seg(mem, out, max, addr, len, flags)?;
+        push_seg(mem, out, max, addr, len, flags, &mut bad)?;
         if flags & VIRTQ_DESC_F_NEXT == 0 {
-            return Ok(());
+            return bad.map_or(Ok(()), Err);
         }
         idx = next;
     }

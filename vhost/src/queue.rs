@@ -809,7 +809,8 @@ mod tests {
         // Chain 0: write 1024 bytes at sector 4. Chain 1: read them back. Chain 2: bad (no
         // status). Chain 3: GET_ID. Chain 4: unknown type. Chain 5: write beyond the end.
         header(m, 0x10_0000, VIRTIO_BLK_T_OUT, 4);
-        m.write_slice(&[0xabu8; 1024], GuestAddress(0x20_0000)).unwrap();
+        m.write_slice(&[0xabu8; 1024], GuestAddress(0x20_0000))
+            .unwrap();
         header(m, 0x11_0000, VIRTIO_BLK_T_IN, 4);
         header(m, 0x12_0000, VIRTIO_BLK_T_IN, 0);
         header(m, 0x13_0000, VIRTIO_BLK_T_GET_ID, 0);
@@ -865,7 +866,10 @@ mod tests {
                 (e.id(), e.len())
             })
             .collect();
-        assert_eq!(used, vec![(6, 0), (7, 21), (10, 1), (12, 1), (0, 1), (3, 1025)]);
+        assert_eq!(
+            used,
+            vec![(6, 0), (7, 21), (10, 1), (12, 1), (0, 1), (3, 1025)]
+        );
         let s = w.shared.stats.snapshot();
         assert_eq!((s.read_ops, s.write_ops, s.bad_requests), (1, 1, 2));
         // The call eventfd was signalled.

@@ -410,7 +410,10 @@ mod tests {
         assert_eq!(r.status, GuestAddress(STATUS));
         assert_eq!(iov.len(), 2);
         let host = m.get_host_address(GuestAddress(DATA)).unwrap();
-        assert_eq!(iov[0].iov_base as usize, host as usize, "zero copy: points into guest RAM");
+        assert_eq!(
+            iov[0].iov_base as usize, host as usize,
+            "zero copy: points into guest RAM"
+        );
     }
 
     #[test]
@@ -419,8 +422,11 @@ mod tests {
         header(&m, VIRTIO_BLK_T_OUT, 0);
         // Header, 1024 bytes of data and then the status, framed as one readable + one writable
         // descriptor (no framing is assumed).
-        let (r, iov, _) =
-            parse_chain(&m, &[d(HDR, 16 + 1024, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).unwrap();
+        let (r, iov, _) = parse_chain(
+            &m,
+            &[d(HDR, 16 + 1024, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)],
+        )
+        .unwrap();
         assert_eq!(r.kind, Kind::Out);
         assert_eq!(r.data_len, 1024);
         assert_eq!(iov.len(), 1);
@@ -443,18 +449,35 @@ mod tests {
     fn flush_get_id_discard() {
         let m = mem();
         header(&m, VIRTIO_BLK_T_FLUSH, 0);
-        let (r, _, _) = parse_chain(&m, &[d(HDR, 16, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).unwrap();
+        let (r, _, _) =
+            parse_chain(&m, &[d(HDR, 16, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).unwrap();
         assert_eq!(r.kind, Kind::Flush);
 
         header(&m, VIRTIO_BLK_T_GET_ID, 0);
-        let descs = [d(HDR, 16, F_NEXT, 1), d(DATA, 20, F_NEXT | F_WRITE, 2), d(STATUS, 1, F_WRITE, 0)];
+        let descs = [
+            d(HDR, 16, F_NEXT, 1),
+            d(DATA, 20, F_NEXT | F_WRITE, 2),
+            d(STATUS, 1, F_WRITE, 0),
+        ];
         let (r, _, _) = parse_chain(&m, &descs).unwrap();
         assert_eq!(r.kind, Kind::GetId);
         assert_eq!(r.used_len, 21);
         let segs = [
-            Seg { addr: HDR, len: 16, writable: false },
-            Seg { addr: DATA, len: 20, writable: true },
-            Seg { addr: STATUS, len: 1, writable: true },
+            Seg {
+                addr: HDR,
+                len: 16,
+                writable: false,
+            },
+            Seg {
+                addr: DATA,
+                len: 20,
+                writable: true,
+            },
+            Seg {
+                addr: STATUS,
+                len: 1,
+                writable: true,
+            },
         ];
         write_id(&m, &segs, "katablk-serial-0001").unwrap();
         let mut id = [0u8; 20];
@@ -470,14 +493,26 @@ mod tests {
         rng[16..24].copy_from_slice(&64u64.to_le_bytes());
         rng[24..28].copy_from_slice(&1u32.to_le_bytes());
         m.write_slice(&rng, GuestAddress(DATA)).unwrap();
-        let descs = [d(HDR, 16, F_NEXT, 1), d(DATA, 32, F_NEXT, 2), d(STATUS, 1, F_WRITE, 0)];
+        let descs = [
+            d(HDR, 16, F_NEXT, 1),
+            d(DATA, 32, F_NEXT, 2),
+            d(STATUS, 1, F_WRITE, 0),
+        ];
         let (r, _, ranges) = parse_chain(&m, &descs).unwrap();
         assert_eq!(r.kind, Kind::WriteZeroes);
         assert_eq!(
             ranges,
             vec![
-                Range { sector: 16, num_sectors: 8, unmap: true },
-                Range { sector: 64, num_sectors: 1, unmap: false }
+                Range {
+                    sector: 16,
+                    num_sectors: 8,
+                    unmap: true
+                },
+                Range {
+                    sector: 64,
+                    num_sectors: 1,
+                    unmap: false
+                }
             ]
         );
         // The unmap flag is not valid for discard.
@@ -495,10 +530,16 @@ mod tests {
         // Short header.
         assert!(bad(&[d(HDR, 8, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).contains("header"));
         // Data not a multiple of the sector size.
-        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(DATA, 100, F_NEXT | F_WRITE, 2), d(STATUS, 1, F_WRITE, 0)])
-            .contains("multiple of 512"));
+        assert!(bad(&[
+            d(HDR, 16, F_NEXT, 1),
+            d(DATA, 100, F_NEXT | F_WRITE, 2),
+            d(STATUS, 1, F_WRITE, 0)
+        ])
+        .contains("multiple of 512"));
         // Read with readable data.
-        assert!(bad(&[d(HDR, 16 + 512, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).contains("unexpected"));
+        assert!(
+            bad(&[d(HDR, 16 + 512, F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)]).contains("unexpected")
+        );
         // Readable after writable.
         assert!(bad(&[d(HDR, 16, F_NEXT | F_WRITE, 1), d(DATA, 512, 0, 0)]).contains("readable"));
         // A loop.
@@ -506,12 +547,27 @@ mod tests {
         // Next index out of range.
         assert!(bad(&[d(HDR, 16, F_NEXT, 40)]).contains("out of range"));
         // Buffer outside guest memory.
-        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(0x4000_0000, 512, F_WRITE, 0)]).contains("not in guest memory"));
+        assert!(
+            bad(&[d(HDR, 16, F_NEXT, 1), d(0x4000_0000, 512, F_WRITE, 0)])
+                .contains("not in guest memory")
+        );
         // Buffer that runs off the end of guest memory.
-        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(0x3f_ff00, 512, F_WRITE, 0)]).contains("not in guest memory"));
+        assert!(bad(&[d(HDR, 16, F_NEXT, 1), d(0x3f_ff00, 512, F_WRITE, 0)])
+            .contains("not in guest memory"));
         // Unknown type gets UNSUPP.
         header(&m, 0x77, 0);
-        let segs = [Seg { addr: HDR, len: 16, writable: false }, Seg { addr: STATUS, len: 1, writable: true }];
+        let segs = [
+            Seg {
+                addr: HDR,
+                len: 16,
+                writable: false,
+            },
+            Seg {
+                addr: STATUS,
+                len: 1,
+                writable: true,
+            },
+        ];
         let e = parse(&m, &segs, &mut Vec::new(), &mut Vec::new(), 64).unwrap_err();
         assert_eq!(e, RequestError::Unsupported(0x77));
         assert_eq!(e.status(), Status::Unsupp);
@@ -528,20 +584,43 @@ mod tests {
             SplitDescriptor::new(STATUS, 1, F_WRITE, 0),
         ];
         for (i, e) in entries.iter().enumerate() {
-            m.write_obj(*e, GuestAddress(table + 16 * i as u64)).unwrap();
+            m.write_obj(*e, GuestAddress(table + 16 * i as u64))
+                .unwrap();
         }
         let (r, _, _) = parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)]).unwrap();
         assert_eq!(r.data_len, 4096);
         // Indirect with NEXT set, ragged length, nested indirect: all refused.
-        assert!(parse_chain(&m, &[d(table, 48, F_INDIRECT | F_NEXT, 1), d(STATUS, 1, F_WRITE, 0)])
+        assert!(parse_chain(
+            &m,
+            &[
+                d(table, 48, F_INDIRECT | F_NEXT, 1),
+                d(STATUS, 1, F_WRITE, 0)
+            ]
+        )
+        .unwrap_err()
+        .contains("indirect"));
+        assert!(parse_chain(&m, &[d(table, 40, F_INDIRECT, 0)])
             .unwrap_err()
             .contains("indirect"));
-        assert!(parse_chain(&m, &[d(table, 40, F_INDIRECT, 0)]).unwrap_err().contains("indirect"));
-        m.write_obj(SplitDescriptor::new(table, 48, F_INDIRECT, 0), GuestAddress(table + 16)).unwrap();
-        assert!(parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)]).unwrap_err().contains("indirect"));
+        m.write_obj(
+            SplitDescriptor::new(table, 48, F_INDIRECT, 0),
+            GuestAddress(table + 16),
+        )
+        .unwrap();
+        assert!(parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)])
+            .unwrap_err()
+            .contains("indirect"));
         // Indirect table loop.
-        m.write_obj(SplitDescriptor::new(DATA, 512, F_NEXT | F_WRITE, 0), GuestAddress(table + 16)).unwrap();
-        m.write_obj(SplitDescriptor::new(HDR, 16, F_NEXT, 1), GuestAddress(table)).unwrap();
+        m.write_obj(
+            SplitDescriptor::new(DATA, 512, F_NEXT | F_WRITE, 0),
+            GuestAddress(table + 16),
+        )
+        .unwrap();
+        m.write_obj(
+            SplitDescriptor::new(HDR, 16, F_NEXT, 1),
+            GuestAddress(table),
+        )
+        .unwrap();
         let e = parse_chain(&m, &[d(table, 32, F_INDIRECT, 0)]).unwrap_err();
         assert!(e.contains("too long") || e.contains("readable"), "{e}");
         let _ = ChainError::TooLong;
