@@ -141,6 +141,7 @@ pub fn protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::INFLIGHT_SHMFD
         | VhostUserProtocolFeatures::RESET_DEVICE
+        | VhostUserProtocolFeatures::BACKEND_REQ
 }
 
 /// Builds the `virtio_blk_config` space for a device.

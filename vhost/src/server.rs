@@ -20,6 +20,16 @@ use crate::{BlkOptions, Error, StatsSnapshot};
 /// Longest usable unix socket path (`sun_path` is 108 bytes with the terminating NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 
+/// The frontend's end of the backend-initiated channel (`SET_BACKEND_REQ_FD`), if it gave one.
+type BackendChannel = Arc<Mutex<Option<UnixStream>>>;
+
+/// vhost-user message code of `SET_BACKEND_REQ_FD`.
+const SET_BACKEND_REQ_FD: u32 = 21;
+/// Backend-to-frontend message code of `CONFIG_CHANGE_MSG`.
+const CONFIG_CHANGE_MSG: u32 = 2;
+/// Header flag: protocol version 1.
+const VHOST_USER_VERSION: u32 = 0x1;
+
 /// A vhost-user-blk device listening on a unix socket.
 pub struct VhostBlkServer {
     path: PathBuf,
@@ -27,6 +37,83 @@ pub struct VhostBlkServer {
     backend: Arc<Mutex<BlkBackend>>,
     shared: Arc<DeviceShared>,
     stop: Arc<EventFd>,
+    channel: BackendChannel,
+}
+
+/// Tells the connected frontend that the config space changed (e.g. the capacity after a
+/// resize), so the guest re-reads it. Returns false if no frontend gave a backend channel.
+fn notify_config_change(channel: &BackendChannel) -> bool {
+    let Ok(mut guard) = channel.lock() else {
+        return false;
+    };
+    let Some(stream) = guard.as_mut() else {
+        return false;
+    };
+    let mut hdr = [0u8; 12];
+    hdr[..4].copy_from_slice(&CONFIG_CHANGE_MSG.to_le_bytes());
+    hdr[4..8].copy_from_slice(&VHOST_USER_VERSION.to_le_bytes());
+    match std::io::Write::write_all(stream, &hdr) {
+        Ok(()) => true,
+        Err(e) => {
+            warn!("config change notification failed: {e}");
+            *guard = None;
+            false
+        }
+    }
+}
+
+/// Peeks at the next message on `fd` and, if it is `SET_BACKEND_REQ_FD`, keeps a duplicate of
+/// the channel descriptor it carries (the `vhost` crate keeps its own, but offers no way to send
+/// `CONFIG_CHANGE_MSG` on it). Descriptors peeked with other messages are closed at once.
+fn peek_backend_channel(fd: i32) -> Option<UnixStream> {
+    let mut hdr = [0u8; 12];
+    let mut iov = libc::iovec {
+        iov_base: hdr.as_mut_ptr().cast(),
+        iov_len: hdr.len(),
+    };
+    // Room for the largest number of descriptors one message may carry (32).
+    let mut cmsg = [0u64; 40];
+    // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live local buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cmsg);
+    // SAFETY: `msg` describes valid buffers; MSG_PEEK leaves the message in the socket.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_PEEK | libc::MSG_CMSG_CLOEXEC) };
+    if n < 12 {
+        return None;
+    }
+    let mut fds = Vec::new();
+    // SAFETY: CMSG_FIRSTHDR/CMSG_NXTHDR walk the control buffer filled in by recvmsg, bounded by
+    // msg_controllen; SCM_RIGHTS payloads are arrays of c_int.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<libc::c_int>();
+                for i in 0..count {
+                    fds.push(std::ptr::read_unaligned(data.add(i)));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let code = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    let mut keep = None;
+    for fd in fds {
+        if code == SET_BACKEND_REQ_FD && keep.is_none() {
+            // SAFETY: `fd` was just installed in this process by recvmsg and is owned by nobody
+            // else.
+            keep = Some(unsafe { <UnixStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        } else {
+            // SAFETY: as above; the duplicate is not needed.
+            unsafe { libc::close(fd) };
+        }
+    }
+    keep
 }
 
 /// Stops a running server from another thread (or a signal handler thread).
@@ -46,9 +133,17 @@ pub struct ServerHandle {
     stop: ShutdownHandle,
     thread: Option<std::thread::JoinHandle<Result<(), Error>>>,
     shared: Arc<DeviceShared>,
+    channel: BackendChannel,
 }
 
 impl ServerHandle {
+    /// Tells the connected frontend that the device's config space changed (call it after the
+    /// device was resized): the guest sees the new capacity. False if no frontend is connected
+    /// or it gave no backend channel.
+    pub fn notify_config_change(&self) -> bool {
+        notify_config_change(&self.channel)
+    }
+
     /// I/O counters.
     pub fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot()
@@ -175,6 +270,7 @@ impl VhostBlkServer {
             backend,
             shared,
             stop,
+            channel: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -193,10 +289,16 @@ impl VhostBlkServer {
         self.shared.stats.snapshot()
     }
 
+    /// See [`ServerHandle::notify_config_change`].
+    pub fn notify_config_change(&self) -> bool {
+        notify_config_change(&self.channel)
+    }
+
     /// Runs the server on a new thread.
     pub fn spawn(self) -> Result<ServerHandle, Error> {
         let stop = self.shutdown_handle();
         let shared = self.shared.clone();
+        let channel = self.channel.clone();
         let thread = std::thread::Builder::new()
             .name("katablk-vhost".into())
             .spawn(move || self.run())
@@ -205,6 +307,7 @@ impl VhostBlkServer {
             stop,
             thread: Some(thread),
             shared,
+            channel,
         })
     }
 
@@ -248,6 +351,9 @@ impl VhostBlkServer {
             };
             info!("frontend connected");
             let stopped = self.serve_connection(stream);
+            if let Ok(mut c) = self.channel.lock() {
+                *c = None;
+            }
             if let Ok(mut b) = self.backend.lock() {
                 b.disconnect();
             }
@@ -271,6 +377,12 @@ impl VhostBlkServer {
                 Err(e) => {
                     warn!("poll: {e}");
                     return false;
+                }
+            }
+            if let Some(ch) = peek_backend_channel(cfd) {
+                debug!("frontend gave a backend channel");
+                if let Ok(mut c) = self.channel.lock() {
+                    *c = Some(ch);
                 }
             }
             match handler.handle_request() {

@@ -294,3 +294,83 @@ fn memory_slots_hot_add_and_remove() {
     drop(fe);
     srv.stop().unwrap();
 }
+
+/// A RAM device whose reported size can change, standing in for an lvol being resized.
+struct Resizable {
+    inner: MallocDevice,
+    blocks: std::sync::atomic::AtomicU64,
+}
+
+impl katablk_bdev::BlockDevice for Resizable {
+    fn info(&self) -> katablk_bdev::DeviceInfo {
+        let mut i = self.inner.info();
+        i.num_blocks = self.blocks.load(std::sync::atomic::Ordering::Relaxed);
+        i
+    }
+    fn open_channel(
+        &self,
+        depth: usize,
+        segs: usize,
+    ) -> Result<Box<dyn katablk_bdev::IoChannel>, katablk_bdev::BdevError> {
+        self.inner.open_channel(depth, segs)
+    }
+    fn describe(&self) -> String {
+        "resizable".into()
+    }
+}
+
+#[test]
+fn config_change_notification_after_resize() {
+    use katablk_bdev::BlockDevice;
+    use std::io::Read;
+    use vhost::vhost_user::message::VhostUserConfigFlags;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("cfg.sock");
+    let dev = Arc::new(Resizable {
+        inner: MallocDevice::new(8192, 512).unwrap(),
+        blocks: 4096.into(),
+    });
+    let opts = BlkOptions {
+        queue_size: QSIZE,
+        ..Default::default()
+    };
+    let srv = VhostBlkServer::bind(&sock, dev.clone(), opts, None)
+        .unwrap()
+        .spawn()
+        .unwrap();
+    let mut fe = Frontend::connect(&sock, 1).unwrap();
+    fe.set_owner().unwrap();
+    fe.get_features().unwrap();
+    fe.set_features((1u64 << 32) | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+        .unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    assert!(pf.contains(VhostUserProtocolFeatures::BACKEND_REQ));
+    fe.set_protocol_features(
+        VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::BACKEND_REQ,
+    )
+    .unwrap();
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    fe.set_backend_request_fd(&theirs).unwrap();
+    drop(theirs);
+    let cap = |fe: &mut Frontend| {
+        let (_, b) = fe
+            .get_config(0, 8, VhostUserConfigFlags::WRITABLE, &[0u8; 8])
+            .unwrap();
+        u64::from_le_bytes(b[..8].try_into().unwrap())
+    };
+    assert_eq!(cap(&mut fe), 4096);
+    dev.blocks.store(8192, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(dev.info().num_blocks, 8192);
+    assert!(srv.notify_config_change());
+    let mut hdr = [0u8; 12];
+    mine.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    (&mine).read_exact(&mut hdr).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(hdr[..4].try_into().unwrap()),
+        2,
+        "CONFIG_CHANGE_MSG"
+    );
+    assert_eq!(cap(&mut fe), 8192);
+    drop(fe);
+    srv.stop().unwrap();
+}
