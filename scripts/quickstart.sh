@@ -15,7 +15,7 @@ cargo build --release -p katablk-vhost -p katablk-bench
 img="$dir/disk.img"
 [ -f "$img" ] || truncate -s "${size}M" "$img"
 sock="$dir/vhost.sock"
-target/release/katablk-vhost --socket "$sock" --file "$img" --num-queues 2 &
+build/release/katablk-vhost --socket "$sock" --file "$img" --num-queues 2 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
@@ -23,9 +23,9 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 echo "serving $img on $sock"
 echo "attach QEMU with: -chardev socket,id=c0,path=$sock -device vhost-user-blk-pci,chardev=c0,num-queues=2"
 if [ "${1:-}" = "--check" ]; then
-    target/release/katablk-bench --socket "$sock" --rw randwrite --bs 4k --iodepth 8 \
+    build/release/katablk-bench --socket "$sock" --rw randwrite --bs 4k --iodepth 8 \
         --runtime 2 --verify --no-progress
-    target/release/katablk-bench --socket "$sock" --rw randread --bs 4k --iodepth 32 \
+    build/release/katablk-bench --socket "$sock" --rw randread --bs 4k --iodepth 32 \
         --runtime 3 --no-progress
     exit 0
 fi

@@ -65,9 +65,13 @@ fn connect(sock: &std::path::Path, g: &Guest) -> Frontend {
         VhostUserProtocolFeatures::INFLIGHT_SHMFD
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::CONFIG
-            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::REPLY_ACK,
     )
     .unwrap();
+    // Wait for the backend's acknowledgement of every message, so that the test's next step
+    // happens after the backend applied the previous one.
+    fe.set_hdr_flags(vhost::vhost_user::message::VhostUserHeaderFlag::NEED_REPLY);
     let host = g.mem.get_host_address(GuestAddress(0)).unwrap() as u64;
     fe.set_mem_table(&[VhostUserMemoryRegionInfo {
         guest_phys_addr: 0,
