@@ -12,16 +12,19 @@
 #![deny(missing_docs)]
 
 mod error;
-mod inline;
+mod eventfd;
 pub mod file;
+mod inline;
 pub mod malloc;
 pub mod null;
+mod pool;
 pub mod sync;
+mod uring;
 
 use std::os::fd::RawFd;
 use std::time::Duration;
 
-pub use error::{BdevError, IoError, SubmitError};
+pub use error::{BdevError, IoError, ParseIoModeError, SubmitError};
 pub use libc::iovec;
 
 /// Static and dynamic properties of a block device.
