@@ -90,7 +90,7 @@ pub struct FileOptions {
 /// A file or block device.
 #[derive(Debug)]
 pub struct FileDevice {
-    inner: Arc<FileInner>,
+    pub(crate) inner: Arc<FileInner>,
     mode: IoMode,
     /// io_uring probe result (or the errno that refused it), computed on first need.
     uring: OnceLock<Result<UringSupport, i32>>,
