@@ -503,6 +503,40 @@ mod tests {
         assert!(back[8192..].iter().all(|&b| b == 0xa5));
     }
 
+    /// Where io_uring is refused (seccomp, sysctl), `Auto` falls back to the thread pool and
+    /// `IoUring` fails with the reason.
+    #[test]
+    fn auto_falls_back_when_uring_is_refused() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
+        dev.uring.set(Err(libc::EPERM)).unwrap();
+        assert_eq!(dev.mode(), IoMode::Auto);
+        assert_eq!(dev.effective_mode(), IoMode::ThreadPool);
+        assert!(
+            dev.describe().contains("auto: threads"),
+            "{}",
+            dev.describe()
+        );
+        let ch = dev.open_channel(4, 4).unwrap();
+        assert!(ch.notify_fd().is_some());
+        drop(ch);
+        let mut io = SyncIo::new(&dev).unwrap();
+        io.write_at(0, &[9u8; 512]).unwrap();
+        let mut back = [0u8; 512];
+        io.read_at(0, &mut back).unwrap();
+        assert_eq!(back, [9u8; 512]);
+
+        let opts = FileOptions {
+            mode: IoMode::IoUring,
+            ..Default::default()
+        };
+        let dev = FileDevice::open(f.path(), &opts).unwrap();
+        dev.uring.set(Err(libc::EPERM)).unwrap();
+        let e = dev.open_channel(4, 4).err().unwrap();
+        assert!(e.to_string().contains("io_uring"), "{e}");
+    }
+
     #[test]
     fn missing_file_is_clear() {
         let e = FileDevice::open("/nonexistent/x.img", &FileOptions::default()).unwrap_err();

@@ -190,6 +190,9 @@ pub trait IoChannel: Send {
     fn notify_fd(&self) -> Option<RawFd>;
 
     /// Resets the readiness of [`IoChannel::notify_fd`].
+    ///
+    /// Call it *before* [`IoChannel::poll`], not after: a completion that arrives after the reset
+    /// makes the descriptor readable again, so none is missed.
     fn clear_notify(&mut self) {}
 }
 
