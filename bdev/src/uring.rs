@@ -138,6 +138,8 @@ pub(crate) struct UringChannel {
     ring: IoUring,
     inner: Arc<FileInner>,
     support: UringSupport,
+    /// The file is registered with the ring (index 0).
+    fixed_file: bool,
     efd: EventFd,
     slots: Box<[Slot]>,
     /// `slots.len() * max_segments` iovecs: slot `i` owns `[i * max_segments, (i + 1) *
@@ -186,10 +188,13 @@ impl UringChannel {
             .register_eventfd(efd.fd())
             .map_err(|e| BdevError::io("io_uring register_eventfd", e))?;
         let cq = (ring.params().cq_entries() as usize).max(depth);
+        // Optional: without registration requests name the file by descriptor.
+        let fixed_file = ring.submitter().register_files(&[inner.fd()]).is_ok();
         Ok(UringChannel {
             ring,
             inner,
             support,
+            fixed_file,
             efd,
             slots: vec![EMPTY_SLOT; depth].into_boxed_slice(),
             iovs: vec![
@@ -231,7 +236,9 @@ impl UringChannel {
     /// Builds the SQE for what remains of slot `idx`.
     fn sqe(&self, idx: usize) -> squeue::Entry {
         let s = &self.slots[idx];
-        let fd = types::Fd(self.inner.fd());
+        // With the file registered, the SQE's fd field is its index in the table (0) and
+        // IOSQE_FIXED_FILE is set below, sparing the kernel an fget/fput per request.
+        let fd = types::Fd(if self.fixed_file { 0 } else { self.inner.fd() });
         let e = match s.kind {
             Kind::Read | Kind::Write => {
                 let pos = s.offset + s.done;
@@ -268,6 +275,11 @@ impl UringChannel {
                 .offset(s.offset)
                 .mode(mode)
                 .build(),
+        };
+        let e = if self.fixed_file {
+            e.flags(squeue::Flags::FIXED_FILE)
+        } else {
+            e
         };
         e.user_data(idx as u64)
     }
