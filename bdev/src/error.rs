@@ -96,3 +96,11 @@ impl From<SubmitError> for IoError {
         }
     }
 }
+
+/// An unknown [`crate::file::IoMode`] name.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("unknown I/O mode `{input}`: expected one of auto, io_uring (or uring), threads, inline")]
+pub struct ParseIoModeError {
+    /// The text that was given.
+    pub input: String,
+}

@@ -1,25 +1,77 @@
 //! A regular file or a host block device as a [`BlockDevice`].
 //!
-//! Reads and writes go straight between the caller's buffers and the file with
-//! `preadv2`/`pwritev2` (optionally `O_DIRECT`). Discard punches holes (files) or issues
-//! `BLKDISCARD` (block devices); write-zeroes uses `FALLOC_FL_ZERO_RANGE` or `BLKZEROOUT`; flush is
-//! `fdatasync`.
+//! Reads and writes go straight between the caller's buffers and the file (optionally
+//! `O_DIRECT`). Discard punches holes (files) or issues `BLKDISCARD` (block devices); write-zeroes
+//! uses `FALLOC_FL_ZERO_RANGE` or `BLKZEROOUT`; flush is `fdatasync`.
+//!
+//! Each channel executes requests in one of the [`IoMode`]s: io_uring (`uring.rs`), a small worker
+//! pool running blocking system calls (`pool.rs`), or inline `preadv`/`pwritev` on
+//! the submitting thread. [`IoMode::Auto`] (the default) probes io_uring once per device and falls
+//! back to the pool when the kernel (or a seccomp filter) refuses it.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 
 use crate::inline::{InlineChannel, InlineExec};
-use crate::{BdevError, BlockDevice, DeviceInfo, IoChannel, IoError, IoOp, IoRequest};
+use crate::pool::PoolChannel;
+use crate::uring::{UringChannel, UringSupport};
+use crate::{
+    BdevError, BlockDevice, DeviceInfo, IoChannel, IoError, IoOp, IoRequest, ParseIoModeError,
+};
 
 /// How requests are executed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IoMode {
-    /// Inline system calls on the submitting thread (best on the page cache and fast devices).
+    /// io_uring when the kernel allows it (probed once per device), else [`IoMode::ThreadPool`].
     #[default]
+    Auto,
+    /// One io_uring per channel; opening a channel fails when io_uring is unavailable.
+    IoUring,
+    /// A few worker threads per channel running blocking system calls (works everywhere).
+    ThreadPool,
+    /// Inline system calls on the submitting thread (best on the page cache and fast devices).
     Inline,
+}
+
+impl IoMode {
+    /// The canonical name, as accepted by [`IoMode::from_str`].
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            IoMode::Auto => "auto",
+            IoMode::IoUring => "io_uring",
+            IoMode::ThreadPool => "threads",
+            IoMode::Inline => "inline",
+        }
+    }
+}
+
+impl std::fmt::Display for IoMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for IoMode {
+    type Err = ParseIoModeError;
+
+    /// Parses `auto`, `io_uring` (or `uring`, `io-uring`), `threads` (or `thread_pool`,
+    /// `threadpool`) and `inline`, ignoring ASCII case and surrounding blanks.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "auto" => Ok(IoMode::Auto),
+            "io_uring" | "io-uring" | "uring" => Ok(IoMode::IoUring),
+            "threads" | "thread_pool" | "threadpool" => Ok(IoMode::ThreadPool),
+            "inline" => Ok(IoMode::Inline),
+            _ => Err(ParseIoModeError {
+                input: s.to_string(),
+            }),
+        }
+    }
 }
 
 /// Options for [`FileDevice::open`].
@@ -38,8 +90,10 @@ pub struct FileOptions {
 /// A file or block device.
 #[derive(Debug)]
 pub struct FileDevice {
-    inner: Arc<FileInner>,
+    pub(crate) inner: Arc<FileInner>,
     mode: IoMode,
+    /// io_uring probe result (or the errno that refused it), computed on first need.
+    uring: OnceLock<Result<UringSupport, i32>>,
 }
 
 #[derive(Debug)]
@@ -151,6 +205,7 @@ impl FileDevice {
                 info,
             }),
             mode: opts.mode,
+            uring: OnceLock::new(),
         })
     }
 
@@ -158,11 +213,55 @@ impl FileDevice {
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
+
+    /// The mode requested in [`FileOptions::mode`].
+    pub fn mode(&self) -> IoMode {
+        self.mode
+    }
+
+    /// The mode channels actually use: [`IoMode::Auto`] resolves to [`IoMode::IoUring`] when the
+    /// probe succeeds and to [`IoMode::ThreadPool`] otherwise; other modes are returned as is.
+    pub fn effective_mode(&self) -> IoMode {
+        match self.mode {
+            IoMode::Auto if self.uring_support().is_ok() => IoMode::IoUring,
+            IoMode::Auto => IoMode::ThreadPool,
+            m => m,
+        }
+    }
+
+    fn uring_support(&self) -> Result<UringSupport, i32> {
+        *self.uring.get_or_init(|| {
+            let r = crate::uring::probe();
+            if let Err(errno) = r {
+                if self.mode == IoMode::Auto {
+                    tracing::warn!(
+                        path = %self.inner.path.display(),
+                        error = %std::io::Error::from_raw_os_error(errno),
+                        "io_uring unavailable, using the thread pool"
+                    );
+                }
+            }
+            r
+        })
+    }
+
+    fn open_uring(&self, depth: usize, max_segments: usize) -> Result<UringChannel, BdevError> {
+        let support = self
+            .uring_support()
+            .map_err(|errno| BdevError::io("io_uring", std::io::Error::from_raw_os_error(errno)))?;
+        UringChannel::new(self.inner.clone(), support, depth, max_segments)
+    }
 }
 
 impl FileInner {
-    fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.file.as_raw_fd()
+    }
+
+    /// Whether `pos` is at or past the end of a regular file (which may have shrunk under the
+    /// device). Always false for block devices.
+    pub(crate) fn past_eof(&self, pos: u64) -> bool {
+        !self.is_blockdev && self.file.metadata().is_ok_and(|m| pos >= m.len())
     }
 
     /// Deallocates or zeroes `[off, off+len)`.
@@ -264,6 +363,12 @@ impl FileInner {
                             n = 0;
                         }
                     }
+                    if req.op == IoOp::Read && done < req.len && self.past_eof(req.offset + done) {
+                        // Short read ending at the end of a shrunk file: the rest reads as zeroes
+                        // (do not retry: with O_DIRECT an unaligned retry fails with EINVAL).
+                        zero_tail(req, done, iov_idx, skip);
+                        return Ok(req.len);
+                    }
                 }
                 Ok(done)
             }
@@ -283,9 +388,21 @@ impl FileInner {
 
 /// Zeroes the part of a read's buffers from (`iov_idx`, `skip`) on.
 fn zero_tail(req: &IoRequest<'_>, _done: u64, iov_idx: usize, skip: usize) {
-    for (i, v) in req.iov.iter().enumerate().skip(iov_idx) {
-        let s = if i == iov_idx { skip } else { 0 };
-        // SAFETY: the buffer is valid for `iov_len` bytes (the caller's contract) and `s` is
+    // SAFETY: the buffers of a read are valid and writable for their whole length (the caller's
+    // contract of `exec_blocking`), and `skip` lies within the buffer at `iov_idx`.
+    unsafe { zero_iovecs(&req.iov[iov_idx.min(req.iov.len())..], skip) }
+}
+
+/// Zeroes every buffer of `iov`, skipping the first `skip` bytes of the first one.
+///
+/// # Safety
+///
+/// Every buffer must be valid and writable for its `iov_len` bytes, and `skip` must not exceed
+/// the first buffer's length.
+pub(crate) unsafe fn zero_iovecs(iov: &[crate::iovec], skip: usize) {
+    for (i, v) in iov.iter().enumerate() {
+        let s = if i == 0 { skip.min(v.iov_len) } else { 0 };
+        // SAFETY: the buffer is valid for `iov_len` bytes (the function's contract) and `s` is
         // within it.
         unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>().add(s), 0, v.iov_len - s) };
     }
@@ -318,19 +435,45 @@ impl BlockDevice for FileDevice {
                 depth,
                 max_segments,
             ))),
+            IoMode::IoUring => Ok(Box::new(self.open_uring(depth, max_segments)?)),
+            IoMode::ThreadPool => Ok(Box::new(PoolChannel::new(
+                self.inner.clone(),
+                depth,
+                max_segments,
+            )?)),
+            IoMode::Auto => {
+                if self.uring_support().is_ok() {
+                    match self.open_uring(depth, max_segments) {
+                        Ok(ch) => return Ok(Box::new(ch)),
+                        Err(e) => tracing::warn!(
+                            path = %self.inner.path.display(),
+                            error = %e,
+                            "cannot set up an io_uring channel, using the thread pool"
+                        ),
+                    }
+                }
+                Ok(Box::new(PoolChannel::new(
+                    self.inner.clone(),
+                    depth,
+                    max_segments,
+                )?))
+            }
         }
     }
 
     fn describe(&self) -> String {
         format!(
-            "{} {} ({:?})",
+            "{} {} ({})",
             if self.inner.is_blockdev {
                 "blockdev"
             } else {
                 "file"
             },
             self.inner.path.display(),
-            self.mode
+            match self.mode {
+                IoMode::Auto => format!("auto: {}", self.effective_mode()),
+                m => m.to_string(),
+            }
         )
     }
 }
@@ -358,6 +501,40 @@ mod tests {
         io.read_at(8192, &mut back).unwrap();
         assert!(back[..8192].iter().all(|&b| b == 0));
         assert!(back[8192..].iter().all(|&b| b == 0xa5));
+    }
+
+    /// Where io_uring is refused (seccomp, sysctl), `Auto` falls back to the thread pool and
+    /// `IoUring` fails with the reason.
+    #[test]
+    fn auto_falls_back_when_uring_is_refused() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
+        dev.uring.set(Err(libc::EPERM)).unwrap();
+        assert_eq!(dev.mode(), IoMode::Auto);
+        assert_eq!(dev.effective_mode(), IoMode::ThreadPool);
+        assert!(
+            dev.describe().contains("auto: threads"),
+            "{}",
+            dev.describe()
+        );
+        let ch = dev.open_channel(4, 4).unwrap();
+        assert!(ch.notify_fd().is_some());
+        drop(ch);
+        let mut io = SyncIo::new(&dev).unwrap();
+        io.write_at(0, &[9u8; 512]).unwrap();
+        let mut back = [0u8; 512];
+        io.read_at(0, &mut back).unwrap();
+        assert_eq!(back, [9u8; 512]);
+
+        let opts = FileOptions {
+            mode: IoMode::IoUring,
+            ..Default::default()
+        };
+        let dev = FileDevice::open(f.path(), &opts).unwrap();
+        dev.uring.set(Err(libc::EPERM)).unwrap();
+        let e = dev.open_channel(4, 4).err().unwrap();
+        assert!(e.to_string().contains("io_uring"), "{e}");
     }
 
     #[test]

@@ -12,16 +12,19 @@
 #![deny(missing_docs)]
 
 mod error;
+mod eventfd;
 pub mod file;
 mod inline;
 pub mod malloc;
 pub mod null;
+mod pool;
 pub mod sync;
+mod uring;
 
 use std::os::fd::RawFd;
 use std::time::Duration;
 
-pub use error::{BdevError, IoError, SubmitError};
+pub use error::{BdevError, IoError, ParseIoModeError, SubmitError};
 pub use libc::iovec;
 
 /// Static and dynamic properties of a block device.
@@ -187,6 +190,9 @@ pub trait IoChannel: Send {
     fn notify_fd(&self) -> Option<RawFd>;
 
     /// Resets the readiness of [`IoChannel::notify_fd`].
+    ///
+    /// Call it *before* [`IoChannel::poll`], not after: a completion that arrives after the reset
+    /// makes the descriptor readable again, so none is missed.
     fn clear_notify(&mut self) {}
 }
 
