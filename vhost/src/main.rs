@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use katablk_bdev::file::{FileDevice, FileOptions};
+use katablk_bdev::file::{FileDevice, FileOptions, IoMode};
 use katablk_bdev::malloc::MallocDevice;
 use katablk_bdev::null::NullDevice;
 use katablk_bdev::BlockDevice;
@@ -64,6 +64,10 @@ struct Args {
     /// Report a write-through cache to the guest (every write is flushed before completion).
     #[arg(long)]
     writethrough: bool,
+    /// How file I/O is executed: auto (io_uring, else a thread pool), io_uring, threads or
+    /// inline (system calls on the queue thread).
+    #[arg(long, default_value = "auto")]
+    io_mode: IoMode,
     /// Permission bits of the socket, octal (e.g. 660).
     #[arg(long, value_parser = parse_octal)]
     socket_mode: Option<u32>,
@@ -95,7 +99,7 @@ fn open_device(a: &Args) -> Result<Arc<dyn BlockDevice>> {
             read_only: a.readonly,
             direct: a.direct,
             block_size: a.block_size,
-            ..Default::default()
+            mode: a.io_mode,
         };
         Arc::new(FileDevice::open(path, &opts)?)
     } else if let Some(m) = a.malloc {

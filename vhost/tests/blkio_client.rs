@@ -393,3 +393,11 @@ fn stale_socket_is_replaced_live_one_refused() {
     let mut c = Client::connect(&sock, 1, false).unwrap();
     assert_eq!(c.write(0, 0, &[1; 512]), 0);
 }
+
+#[test]
+fn patterns_every_io_mode() {
+    for mode in ["io_uring", "threads", "inline"] {
+        let (_d, sock, _srv) = file_server(16 * MIB, &["--io-mode", mode, "--num-queues", "2"]);
+        patterns_on(&sock, 16 * MIB);
+    }
+}
