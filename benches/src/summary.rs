@@ -1,0 +1,1 @@
+//! Aggregation of raw results.
