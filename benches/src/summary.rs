@@ -1,0 +1,535 @@
+//! Aggregation of raw `katablk-bench` results into a comparison summary: median over rounds
+//! per (case, workload, server), ratios candidate/baseline, and a Markdown table.
+
+use crate::report::{BenchReport, ReportKind};
+use crate::stats::{median, ratio};
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// Version of the summary layout.
+pub const SUMMARY_VERSION: u32 = 1;
+
+/// Median results of one workload on one server in one case.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    /// Backing store case (`file`, `ram`, ...), from `--meta case=`.
+    pub case: String,
+    /// Workload name, from `--meta workload=` (or derived from the parameters).
+    pub workload: String,
+    /// Server name, from `--meta server=` (or the label).
+    pub server: String,
+    /// Number of rounds aggregated.
+    pub rounds: usize,
+    /// Median IOPS.
+    pub iops: f64,
+    /// IOPS of each round, in run order.
+    pub iops_rounds: Vec<f64>,
+    /// Median bandwidth, MB/s (10⁶ B/s).
+    pub mb_per_sec: f64,
+    /// Median of the rounds' mean latency, µs.
+    pub lat_mean_us: f64,
+    /// Median of the rounds' p50 latency, µs.
+    pub lat_p50_us: f64,
+    /// Median of the rounds' p99 latency, µs.
+    pub lat_p99_us: f64,
+    /// Median of the rounds' p99.9 latency, µs.
+    pub lat_p999_us: f64,
+    /// Median client CPU, % of one core.
+    pub client_cpu_pct: f64,
+    /// Median server CPU, % of one core (if sampled).
+    pub server_cpu_pct: Option<f64>,
+    /// Server CPU time per I/O, µs (median server CPU / median IOPS).
+    pub server_cpu_us_per_io: Option<f64>,
+}
+
+/// Median CPU use of a server that has a connected but idle client.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IdleRow {
+    /// Backing store case.
+    pub case: String,
+    /// Server name.
+    pub server: String,
+    /// Rounds aggregated.
+    pub rounds: usize,
+    /// Median server CPU, % of one core.
+    pub server_cpu_pct: Option<f64>,
+}
+
+/// Candidate/baseline ratios for one (case, workload). Above 1 means the candidate has more
+/// of it (better for IOPS, worse for latency and CPU).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Backing store case.
+    pub case: String,
+    /// Workload name.
+    pub workload: String,
+    /// IOPS ratio.
+    pub iops: Option<f64>,
+    /// p50 latency ratio.
+    pub lat_p50: Option<f64>,
+    /// p99 latency ratio.
+    pub lat_p99: Option<f64>,
+    /// Server CPU % ratio.
+    pub server_cpu: Option<f64>,
+    /// Server CPU per I/O ratio.
+    pub server_cpu_per_io: Option<f64>,
+}
+
+/// The whole summary, written as `summary.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// [`SUMMARY_VERSION`].
+    pub version: u32,
+    /// Name of the results directory.
+    pub name: String,
+    /// Server names, in order of first appearance.
+    pub servers: Vec<String>,
+    /// Case names, in order of first appearance.
+    pub cases: Vec<String>,
+    /// Workload names, in order of first appearance.
+    pub workloads: Vec<String>,
+    /// Server that ratios are relative to (denominator).
+    pub baseline: String,
+    /// Server whose results are divided by the baseline's (numerator).
+    pub candidate: String,
+    /// Median results.
+    pub rows: Vec<Row>,
+    /// Idle CPU results.
+    pub idle: Vec<IdleRow>,
+    /// Ratios candidate/baseline, where both were measured.
+    pub comparisons: Vec<Comparison>,
+    /// Free-text notes (e.g. which server was skipped and why).
+    pub notes: Vec<String>,
+}
+
+fn meta(r: &BenchReport, key: &str) -> Option<String> {
+    r.params.meta.get(key).cloned()
+}
+
+/// The workload name used when `--meta workload=` was not given, e.g. `randread-4k-qd32-j1`.
+pub fn default_workload_name(r: &BenchReport) -> String {
+    let bs = crate::size::format_size(r.params.bs)
+        .trim_end_matches("iB")
+        .to_lowercase();
+    format!(
+        "{}-{bs}-qd{}-j{}",
+        r.params.rw, r.params.iodepth, r.params.numjobs
+    )
+}
+
+fn push_unique(v: &mut Vec<String>, s: &str) {
+    if !v.iter().any(|x| x == s) {
+        v.push(s.to_string());
+    }
+}
+
+fn med(reports: &[&BenchReport], f: impl Fn(&BenchReport) -> f64) -> f64 {
+    let v: Vec<f64> = reports.iter().map(|r| f(r)).collect();
+    median(&v).unwrap_or(f64::NAN)
+}
+
+fn med_opt(reports: &[&BenchReport], f: impl Fn(&BenchReport) -> Option<f64>) -> Option<f64> {
+    let v: Vec<f64> = reports.iter().filter_map(|r| f(r)).collect();
+    median(&v)
+}
+
+/// (case, workload, server).
+type GroupKey = (String, String, String);
+
+/// Builds the summary of `reports` (in run order).
+pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &str) -> Summary {
+    let mut servers = Vec::new();
+    let mut cases = Vec::new();
+    let mut workloads = Vec::new();
+    // (case, workload, server) -> reports, in first-seen order.
+    let mut groups: Vec<(GroupKey, Vec<&BenchReport>)> = Vec::new();
+    let mut idle_groups: Vec<((String, String), Vec<&BenchReport>)> = Vec::new();
+    for r in reports {
+        let case = meta(r, "case").unwrap_or_else(|| "default".to_string());
+        let server = meta(r, "server")
+            .or_else(|| r.params.label.clone())
+            .unwrap_or_else(|| "server".to_string());
+        push_unique(&mut servers, &server);
+        push_unique(&mut cases, &case);
+        match r.kind {
+            ReportKind::Idle => {
+                let key = (case, server);
+                match idle_groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, v)) => v.push(r),
+                    None => idle_groups.push((key, vec![r])),
+                }
+            }
+            ReportKind::Io => {
+                let workload = meta(r, "workload").unwrap_or_else(|| default_workload_name(r));
+                push_unique(&mut workloads, &workload);
+                let key = (case, workload, server);
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, v)) => v.push(r),
+                    None => groups.push((key, vec![r])),
+                }
+            }
+        }
+    }
+
+    let rows: Vec<Row> = groups
+        .iter()
+        .map(|((case, workload, server), rs)| {
+            let iops = med(rs, |r| r.total.total.iops);
+            let server_cpu_pct = med_opt(rs, |r| r.server_cpu.as_ref().map(|c| c.percent));
+            Row {
+                case: case.clone(),
+                workload: workload.clone(),
+                server: server.clone(),
+                rounds: rs.len(),
+                iops,
+                iops_rounds: rs.iter().map(|r| r.total.total.iops).collect(),
+                mb_per_sec: med(rs, |r| r.total.total.mb_per_sec()),
+                lat_mean_us: med(rs, |r| r.total.total.lat.mean_ns / 1e3),
+                lat_p50_us: med(rs, |r| r.total.total.lat.p50_ns as f64 / 1e3),
+                lat_p99_us: med(rs, |r| r.total.total.lat.p99_ns as f64 / 1e3),
+                lat_p999_us: med(rs, |r| r.total.total.lat.p999_ns as f64 / 1e3),
+                client_cpu_pct: med(rs, |r| r.client_cpu.percent),
+                server_cpu_pct,
+                server_cpu_us_per_io: server_cpu_pct.and_then(|c| ratio(c / 100.0 * 1e6, iops)),
+            }
+        })
+        .collect();
+
+    let idle = idle_groups
+        .iter()
+        .map(|((case, server), rs)| IdleRow {
+            case: case.clone(),
+            server: server.clone(),
+            rounds: rs.len(),
+            server_cpu_pct: med_opt(rs, |r| r.server_cpu.as_ref().map(|c| c.percent)),
+        })
+        .collect();
+
+    let find = |case: &str, workload: &str, server: &str| {
+        rows.iter()
+            .find(|r| r.case == case && r.workload == workload && r.server == server)
+    };
+    let opt_ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => ratio(a, b),
+        _ => None,
+    };
+    let mut comparisons = Vec::new();
+    for case in &cases {
+        for workload in &workloads {
+            if let (Some(c), Some(b)) = (
+                find(case, workload, candidate),
+                find(case, workload, baseline),
+            ) {
+                comparisons.push(Comparison {
+                    case: case.clone(),
+                    workload: workload.clone(),
+                    iops: ratio(c.iops, b.iops),
+                    lat_p50: ratio(c.lat_p50_us, b.lat_p50_us),
+                    lat_p99: ratio(c.lat_p99_us, b.lat_p99_us),
+                    server_cpu: opt_ratio(c.server_cpu_pct, b.server_cpu_pct),
+                    server_cpu_per_io: opt_ratio(c.server_cpu_us_per_io, b.server_cpu_us_per_io),
+                });
+            }
+        }
+    }
+
+    let mut notes = Vec::new();
+    for s in [baseline, candidate] {
+        if !servers.iter().any(|x| x == s) {
+            notes.push(format!(
+                "no results for server {s:?}: ratios {candidate}/{baseline} are not available"
+            ));
+        }
+    }
+
+    Summary {
+        version: SUMMARY_VERSION,
+        name: name.to_string(),
+        servers,
+        cases,
+        workloads,
+        baseline: baseline.to_string(),
+        candidate: candidate.to_string(),
+        rows,
+        idle,
+        comparisons,
+        notes,
+    }
+}
+
+/// Reads every `*.json` result in `dir` (sorted by file name, which the comparison script
+/// makes the run order), skipping files that are not `katablk-bench` reports.
+pub fn read_dir(dir: &Path) -> Result<Vec<BenchReport>> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading directory {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    paths.sort();
+    let mut out = Vec::new();
+    for p in paths {
+        match BenchReport::read_json(&p) {
+            Ok(r) => out.push(r),
+            Err(e) => tracing::warn!("skipping {}: {e:#}", p.display()),
+        }
+    }
+    Ok(out)
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:.digits$}"),
+        _ => "n/a".to_string(),
+    }
+}
+
+impl Summary {
+    /// Renders the summary as Markdown tables.
+    pub fn to_markdown(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# Benchmark summary: {}\n", self.name);
+        let _ = writeln!(
+            o,
+            "Median of {} round(s) per cell. Latency in µs (submission to completion as seen by the \
+             client); CPU in % of one core over the measured window.\n",
+            self.rows.iter().map(|r| r.rounds).max().unwrap_or(0)
+        );
+        for n in &self.notes {
+            let _ = writeln!(o, "> **Note:** {n}\n");
+        }
+        let _ = writeln!(o, "## Results\n");
+        let _ = writeln!(
+            o,
+            "| case | workload | server | IOPS | MB/s | p50 | p99 | p99.9 | server CPU % | server µs/IO | client CPU % | rounds |"
+        );
+        let _ = writeln!(
+            o,
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.rows {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
+                r.case,
+                r.workload,
+                r.server,
+                r.iops,
+                r.mb_per_sec,
+                r.lat_p50_us,
+                r.lat_p99_us,
+                r.lat_p999_us,
+                fmt_opt(r.server_cpu_pct, 1),
+                fmt_opt(r.server_cpu_us_per_io, 2),
+                r.client_cpu_pct,
+                r.rounds
+            );
+        }
+        let _ = writeln!(o, "\n## Ratios {} / {}\n", self.candidate, self.baseline);
+        if self.comparisons.is_empty() {
+            let _ = writeln!(o, "No workload was measured on both servers.");
+        } else {
+            let _ = writeln!(
+                o,
+                "IOPS above 1 is better for {c}; latency and CPU below 1 are better for {c}.\n",
+                c = self.candidate
+            );
+            let _ = writeln!(
+                o,
+                "| case | workload | IOPS | p50 | p99 | server CPU | server CPU/IO |"
+            );
+            let _ = writeln!(o, "|---|---|---:|---:|---:|---:|---:|");
+            for c in &self.comparisons {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    c.case,
+                    c.workload,
+                    fmt_opt(c.iops, 2),
+                    fmt_opt(c.lat_p50, 2),
+                    fmt_opt(c.lat_p99, 2),
+                    fmt_opt(c.server_cpu, 2),
+                    fmt_opt(c.server_cpu_per_io, 2)
+                );
+            }
+        }
+        if !self.idle.is_empty() {
+            let _ = writeln!(o, "\n## Idle server CPU (client connected, no I/O)\n");
+            let _ = writeln!(o, "| case | server | server CPU % | rounds |");
+            let _ = writeln!(o, "|---|---|---:|---:|");
+            for i in &self.idle {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {} |",
+                    i.case,
+                    i.server,
+                    fmt_opt(i.server_cpu_pct, 1),
+                    i.rounds
+                );
+            }
+        }
+        o
+    }
+
+    /// Writes `summary.json`-style pretty JSON.
+    pub fn write_json(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).context("serialising summary")?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// Reads a summary written by [`Summary::write_json`].
+    pub fn read_json(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuUsage;
+    use crate::report::{DeviceInfo, JobReport, Params, REPORT_VERSION};
+    use crate::stats::IoStats;
+    use std::collections::BTreeMap;
+
+    fn report(
+        case: &str,
+        workload: &str,
+        server: &str,
+        iops: f64,
+        p99_ns: u64,
+        cpu: f64,
+    ) -> BenchReport {
+        let mut meta = BTreeMap::new();
+        meta.insert("case".into(), case.into());
+        meta.insert("workload".into(), workload.into());
+        meta.insert("server".into(), server.into());
+        let mut stats = IoStats {
+            ios: iops as u64,
+            bytes: iops as u64 * 4096,
+            iops,
+            bytes_per_sec: iops * 4096.0,
+            ..IoStats::default()
+        };
+        stats.lat.p50_ns = p99_ns / 2;
+        stats.lat.p99_ns = p99_ns;
+        BenchReport {
+            version: REPORT_VERSION,
+            kind: ReportKind::Io,
+            tool: "t".into(),
+            timestamp_unix: 0,
+            params: Params {
+                rw: "randread".into(),
+                bs: 4096,
+                iodepth: 32,
+                numjobs: 1,
+                meta,
+                ..Params::default()
+            },
+            device: DeviceInfo::default(),
+            elapsed_s: 1.0,
+            jobs: vec![],
+            total: JobReport {
+                job: None,
+                read: stats.clone(),
+                write: IoStats::default(),
+                total: stats,
+                verified: 0,
+            },
+            client_cpu: CpuUsage::default(),
+            server_cpu: Some(CpuUsage {
+                percent: cpu,
+                ..CpuUsage::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn medians_and_ratios() {
+        let mut rs = Vec::new();
+        for (i, (k, q)) in [(100.0, 50.0), (300.0, 60.0), (200.0, 40.0)]
+            .iter()
+            .enumerate()
+        {
+            rs.push(report(
+                "file",
+                "rr",
+                "katablk",
+                *k,
+                1000 * (i as u64 + 1),
+                50.0,
+            ));
+            rs.push(report("file", "rr", "qsd", *q, 4000, 100.0));
+        }
+        let mut idle = report("file", "", "qsd", 0.0, 0, 2.0);
+        idle.kind = ReportKind::Idle;
+        rs.push(idle);
+        let s = build("t", &rs, "qsd", "katablk");
+        assert_eq!(s.servers, vec!["katablk", "qsd"]);
+        assert_eq!(s.rows.len(), 2);
+        let k = &s.rows[0];
+        assert_eq!(k.rounds, 3);
+        assert_eq!(k.iops, 200.0);
+        assert_eq!(k.iops_rounds, vec![100.0, 300.0, 200.0]);
+        assert_eq!(k.lat_p99_us, 2.0);
+        assert_eq!(k.server_cpu_us_per_io, Some(0.5 * 1e6 / 200.0));
+        let c = &s.comparisons[0];
+        assert_eq!(c.iops, Some(4.0));
+        assert_eq!(c.lat_p99, Some(0.5));
+        assert_eq!(c.server_cpu, Some(0.5));
+        assert_eq!(s.idle.len(), 1);
+        assert_eq!(s.idle[0].server_cpu_pct, Some(2.0));
+        assert!(s.notes.is_empty());
+        let md = s.to_markdown();
+        assert!(md.contains("| file | rr | katablk | 200 |"), "{md}");
+        assert!(md.contains("| file | rr | 4.00 | 0.50 |"), "{md}");
+    }
+
+    #[test]
+    fn baseline_only_has_no_ratios_and_a_note() {
+        let rs = vec![report("ram", "rr", "qsd", 10.0, 100, 1.0)];
+        let s = build("t", &rs, "qsd", "katablk");
+        assert!(s.comparisons.is_empty());
+        assert_eq!(s.notes.len(), 1);
+        assert!(s
+            .to_markdown()
+            .contains("No workload was measured on both servers"));
+    }
+
+    #[test]
+    fn summary_json_round_trip() {
+        let rs = vec![
+            report("ram", "rr", "qsd", 10.0, 100, 1.0),
+            report("ram", "rr", "katablk", 20.0, 100, 1.0),
+        ];
+        let s = build("t", &rs, "qsd", "katablk");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("summary.json");
+        s.write_json(&p).unwrap();
+        assert_eq!(Summary::read_json(&p).unwrap(), s);
+    }
+
+    #[test]
+    fn reads_reports_from_a_directory_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        report("a", "w", "s2", 2.0, 1, 1.0)
+            .write_json(&dir.path().join("002.json"))
+            .unwrap();
+        report("a", "w", "s1", 1.0, 1, 1.0)
+            .write_json(&dir.path().join("001.json"))
+            .unwrap();
+        std::fs::write(dir.path().join("junk.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
+        let rs = read_dir(dir.path()).unwrap();
+        assert_eq!(rs.len(), 2);
+        assert_eq!(rs[0].total.total.iops, 1.0);
+    }
+
+    #[test]
+    fn default_workload_names() {
+        let r = report("a", "w", "s", 1.0, 1, 1.0);
+        assert_eq!(default_workload_name(&r), "randread-4k-qd32-j1");
+    }
+}
