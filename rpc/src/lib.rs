@@ -16,4 +16,6 @@ pub mod methods;
 pub mod server;
 pub mod wire;
 
+pub use client::{RpcClient, DEFAULT_SOCKET_PATH};
 pub use error::{codes, RpcError, ServerError, SpdkError};
+pub use server::{Handler, Router, RpcServer, ServerConfig};
