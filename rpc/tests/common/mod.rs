@@ -100,6 +100,19 @@ pub fn router(state: Arc<State>) -> Router {
         .method::<BdevMallocCreate, _, _>(|p| async move {
             Ok(p.name.unwrap_or_else(|| "Malloc0".into()))
         })
+        .method::<VhostCreateBlkController, _, _>(|p| async move {
+            if p.dev_name == "lvs0/lvol0" || p.dev_name == "Malloc0" {
+                Ok(true)
+            } else {
+                Err(SpdkError::invalid_params("No such device"))
+            }
+        })
+        .method::<SpdkKillInstance, _, _>(|p| async move {
+            match p.sig_name.as_str() {
+                "SIGINT" | "SIGTERM" | "SIGQUIT" | "SIGHUP" | "SIGKILL" | "SIGUSR1" => Ok(true),
+                _ => Err(SpdkError::einval()),
+            }
+        })
         .route("echo", |p| async move { Ok(p.unwrap_or(Value::Null)) })
         .route("sleep", |p| async move {
             let ms = p.as_ref().and_then(|p| p["ms"].as_u64()).unwrap_or(0);
