@@ -232,10 +232,15 @@ async fn read_replies(
                 Ok(None) => break,
                 Err(e) => break 'conn format!("undecodable reply: {e}"),
             };
+            let raw_id = v.get("id").and_then(Value::as_u64);
             let resp = match Response::from_value(v) {
                 Ok(r) => r,
                 Err(e) => {
-                    warn!("ignoring invalid JSON-RPC reply: {e}");
+                    warn!("invalid JSON-RPC reply: {e}");
+                    // Fail the caller it belongs to, if we can tell.
+                    if let Some(tx) = raw_id.and_then(|id| lock(&shared).pending.remove(&id)) {
+                        let _ = tx.send(Err(RpcError::Protocol(e)));
+                    }
                     continue;
                 }
             };

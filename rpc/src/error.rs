@@ -301,6 +301,9 @@ pub enum ServerError {
     /// Something that is not a socket is in the way.
     #[error("{0:?} exists and is not a unix socket; refusing to remove it")]
     NotASocket(PathBuf),
+    /// [`crate::server::ServerConfig::group`] found no such group.
+    #[error("no group named {0:?} in /etc/group")]
+    UnknownGroup(String),
     /// Another server is listening on the path.
     #[error("{0:?} is in use by a live server")]
     InUse(PathBuf),

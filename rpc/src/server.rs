@@ -233,6 +233,24 @@ impl ServerConfig {
         self
     }
 
+    /// Set the socket's group by name, looked up in `/etc/group` (no NSS: LDAP/SSSD groups
+    /// need [`gid`](Self::gid)).
+    pub fn group(self, name: &str) -> Result<Self, ServerError> {
+        let path = Path::new("/etc/group");
+        let text = std::fs::read_to_string(path).map_err(io_err("reading", path))?;
+        let gid = text
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split(':');
+                let n = f.next()?;
+                let gid = f.nth(1)?;
+                (n == name).then(|| gid.parse::<u32>().ok()).flatten()
+            })
+            .next()
+            .ok_or_else(|| ServerError::UnknownGroup(name.to_owned()))?;
+        Ok(self.gid(gid))
+    }
+
     /// Set the request size limit.
     pub fn max_message_size(mut self, bytes: usize) -> Self {
         self.max_message_size = bytes;

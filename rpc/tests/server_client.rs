@@ -452,7 +452,7 @@ async fn in_flight_call_when_server_dies() {
         c3.call_with::<_, u64>("sleep", &json!({"ms": 400}), false, Duration::from_secs(10))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    srv.wait_sleeping(2).await;
     // Bring up the replacement first (a new socket at the same path), then kill the old one.
     std::fs::remove_file(srv.path()).unwrap();
     let old = srv.task.take().unwrap();
@@ -473,7 +473,7 @@ async fn graceful_shutdown_finishes_in_flight() {
     let c = RpcClient::new(srv.path());
     let c2 = c.clone();
     let call = tokio::spawn(async move { c2.call::<_, u64>("sleep", &json!({"ms": 300})).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    srv.wait_sleeping(1).await;
     srv.stop().await;
     assert_eq!(call.await.unwrap().unwrap(), 300);
     assert!(!srv.path().exists());
@@ -538,4 +538,56 @@ fn nix_getgid() -> u32 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with("Gid:")).unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A handler written as a plain `async fn`, the way the target daemon may implement it.
+struct Plain;
+
+impl katablk_rpc::Handler for Plain {
+    async fn call(
+        &self,
+        method: &str,
+        params: Option<Value>,
+    ) -> Result<Value, katablk_rpc::SpdkError> {
+        match method {
+            "spdk_get_version" => {
+                let _: NoParams = katablk_rpc::wire::typed(params)?;
+                tokio::task::yield_now().await;
+                Ok(serde_json::to_value(common::version()).unwrap())
+            }
+            _ => Err(katablk_rpc::SpdkError::method_not_found()),
+        }
+    }
+}
+
+#[tokio::test]
+async fn async_fn_handler() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plain.sock");
+    let server = RpcServer::bind(ServerConfig::new(&path)).unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve_until(Arc::new(Plain), async {
+        let _ = rx.await;
+    }));
+    let c = RpcClient::new(&path);
+    assert_eq!(c.spdk_get_version().await.unwrap(), common::version());
+    assert_eq!(
+        c.rpc_get_methods(&Default::default())
+            .await
+            .unwrap_err()
+            .code(),
+        Some(codes::METHOD_NOT_FOUND)
+    );
+    tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}
+
+#[test]
+fn group_by_name() {
+    let c = ServerConfig::new("/tmp/x.sock").group("root").unwrap();
+    assert_eq!(c.gid, Some(0));
+    assert!(matches!(
+        ServerConfig::new("/tmp/x.sock").group("no-such-group-katablk"),
+        Err(ServerError::UnknownGroup(_))
+    ));
 }

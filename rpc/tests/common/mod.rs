@@ -18,6 +18,8 @@ use tokio::task::JoinHandle;
 #[derive(Default)]
 pub struct State {
     pub notified: AtomicU64,
+    /// `sleep` calls that have started.
+    pub sleeping: AtomicU64,
     pub lvols: Mutex<HashSet<String>>,
 }
 
@@ -38,6 +40,7 @@ pub fn router(state: Arc<State>) -> Router {
     let s1 = Arc::clone(&state);
     let s2 = Arc::clone(&state);
     let s3 = Arc::clone(&state);
+    let s4 = Arc::clone(&state);
     Router::new()
         .method::<SpdkGetVersion, _, _>(|_| async { Ok(version()) })
         .method::<BdevGetBdevs, _, _>(|p| async move {
@@ -114,10 +117,14 @@ pub fn router(state: Arc<State>) -> Router {
             }
         })
         .route("echo", |p| async move { Ok(p.unwrap_or(Value::Null)) })
-        .route("sleep", |p| async move {
-            let ms = p.as_ref().and_then(|p| p["ms"].as_u64()).unwrap_or(0);
-            tokio::time::sleep(Duration::from_millis(ms)).await;
-            Ok(json!(ms))
+        .route("sleep", move |p| {
+            let s = Arc::clone(&s4);
+            async move {
+                s.sleeping.fetch_add(1, Ordering::SeqCst);
+                let ms = p.as_ref().and_then(|p| p["ms"].as_u64()).unwrap_or(0);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok(json!(ms))
+            }
         })
         .route("big", |p| async move {
             let n = p.as_ref().and_then(|p| p["bytes"].as_u64()).unwrap_or(0) as usize;
@@ -184,6 +191,17 @@ impl TestServer {
                 .await
                 .unwrap();
         }));
+    }
+
+    /// Wait until `n` `sleep` calls have started on this server's state.
+    pub async fn wait_sleeping(&self, n: u64) {
+        for _ in 0..1000 {
+            if self.state.sleeping.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("sleep calls did not start");
     }
 
     pub fn path(&self) -> &Path {
