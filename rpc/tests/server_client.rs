@@ -139,6 +139,42 @@ async fn handlers_run_concurrently_on_one_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_pipelined_on_one_connection() {
+    let srv = TestServer::start();
+    let s = UnixStream::connect(srv.path()).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let n = 5000;
+    let writer = tokio::spawn(async move {
+        let mut req = Vec::new();
+        for id in 0..n {
+            req.extend_from_slice(
+                format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"echo","params":{{"i":{id}}}}}"#)
+                    .as_bytes(),
+            );
+        }
+        wr.write_all(&req).await.unwrap();
+        wr
+    });
+    let mut dec = katablk_rpc::wire::StreamDecoder::default();
+    let mut buf = vec![0u8; 65536];
+    let mut next = 0u64;
+    while next < n {
+        let k = tokio::time::timeout(Duration::from_secs(20), rd.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(k > 0);
+        dec.feed(&buf[..k]);
+        while let Some(v) = dec.next_value().unwrap() {
+            assert_eq!(v["id"], next);
+            assert_eq!(v["result"]["i"], next);
+            next += 1;
+        }
+    }
+    drop(writer.await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_clients() {
     let srv = TestServer::start();
     let mut tasks = Vec::new();

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::method;
+use crate::error::SpdkError;
 
 /// How an lvstore clears its data region at creation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,6 +89,43 @@ impl LvstoreSelector {
     }
 }
 
+/// How a request names an lvstore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LvstoreKey<'a> {
+    /// By UUID.
+    Uuid(&'a str),
+    /// By name.
+    Name(&'a str),
+}
+
+/// SPDK's rule for `uuid` / `lvs_name` pairs: exactly one must be given, else `-22 EINVAL`.
+fn uuid_xor_name<'a>(
+    uuid: Option<&'a str>,
+    name: Option<&'a str>,
+) -> Result<LvstoreKey<'a>, SpdkError> {
+    match (uuid, name) {
+        (Some(u), None) => Ok(LvstoreKey::Uuid(u)),
+        (None, Some(n)) => Ok(LvstoreKey::Name(n)),
+        _ => Err(SpdkError::einval()),
+    }
+}
+
+impl LvstoreSelector {
+    /// The selected lvstore: exactly one of `uuid`/`lvs_name` (`-22` otherwise), as
+    /// `bdev_lvol_delete_lvstore` and `bdev_lvol_grow_lvstore` require.
+    pub fn key(&self) -> Result<LvstoreKey<'_>, SpdkError> {
+        uuid_xor_name(self.uuid.as_deref(), self.lvs_name.as_deref())
+    }
+
+    /// For listing: `None` when neither is given (all lvstores), else as [`key`](Self::key).
+    pub fn filter(&self) -> Result<Option<LvstoreKey<'_>>, SpdkError> {
+        if self.uuid.is_none() && self.lvs_name.is_none() {
+            return Ok(None);
+        }
+        self.key().map(Some)
+    }
+}
+
 /// One entry of `bdev_lvol_get_lvstores`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LvstoreInfo {
@@ -163,6 +201,13 @@ pub struct BdevLvolCreateParams {
     /// Lvstore name (this or `uuid`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lvs_name: Option<String>,
+}
+
+impl BdevLvolCreateParams {
+    /// The lvstore to create in: exactly one of `uuid`/`lvs_name` (`-22` otherwise).
+    pub fn lvstore(&self) -> Result<LvstoreKey<'_>, SpdkError> {
+        uuid_xor_name(self.uuid.as_deref(), self.lvs_name.as_deref())
+    }
 }
 
 method!(
@@ -301,3 +346,27 @@ method!(
     /// `bdev_lvol_set_read_only` → `true`.
     BdevLvolSetReadOnly = "bdev_lvol_set_read_only", LvolNameParams => bool, idempotent: false
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lvstore_selection() {
+        assert_eq!(
+            LvstoreSelector::by_name("lvs0").key(),
+            Ok(LvstoreKey::Name("lvs0"))
+        );
+        assert_eq!(
+            LvstoreSelector::by_uuid("u").filter(),
+            Ok(Some(LvstoreKey::Uuid("u")))
+        );
+        assert_eq!(LvstoreSelector::default().filter(), Ok(None));
+        assert_eq!(LvstoreSelector::default().key().unwrap_err().code, -22);
+        let both = LvstoreSelector {
+            uuid: Some("u".into()),
+            lvs_name: Some("n".into()),
+        };
+        assert!(both.filter().is_err());
+    }
+}
