@@ -277,6 +277,18 @@ async fn read_replies(
     close_shared(&shared, reason);
 }
 
+/// Removes a pending entry when the call ends, however it ends.
+struct PendingGuard<'a> {
+    shared: &'a Mutex<Shared>,
+    id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        lock(self.shared).pending.remove(&self.id);
+    }
+}
+
 /// How a single attempt failed.
 enum Attempt {
     /// The request was not (completely) written: safe to retry.
@@ -397,8 +409,10 @@ impl RpcClient {
             }
             s.pending.insert(id, reply_tx);
         }
-        let unregister = || {
-            lock(&conn.shared).pending.remove(&id);
+        // Unregisters on every exit, including the caller dropping this future.
+        let _pending = PendingGuard {
+            shared: &conn.shared,
+            id,
         };
         let (done_tx, done_rx) = oneshot::channel();
         if conn
@@ -409,7 +423,6 @@ impl RpcClient {
             })
             .is_err()
         {
-            unregister();
             return Err(Attempt::NotSent(RpcError::Disconnected(
                 "writer stopped".to_owned(),
             )));
@@ -422,17 +435,14 @@ impl RpcClient {
         match tokio::time::timeout_at(deadline, done_rx).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(reason))) => {
-                unregister();
                 return Err(Attempt::NotSent(RpcError::Disconnected(reason)));
             }
             Ok(Err(_)) => {
-                unregister();
                 return Err(Attempt::NotSent(RpcError::Disconnected(
                     "writer stopped".to_owned(),
                 )));
             }
             Err(_) => {
-                unregister();
                 return Err(Attempt::Final(timeout(total)));
             }
         }
@@ -446,10 +456,7 @@ impl RpcClient {
             Ok(Err(_)) => Err(Attempt::Lost(RpcError::Disconnected(
                 "connection dropped".to_owned(),
             ))),
-            Err(_) => {
-                unregister();
-                Err(Attempt::Final(timeout(total)))
-            }
+            Err(_) => Err(Attempt::Final(timeout(total))),
         }
     }
 

@@ -627,3 +627,26 @@ fn group_by_name() {
         Err(ServerError::UnknownGroup(_))
     ));
 }
+
+#[tokio::test]
+async fn cancelled_calls_leave_the_connection_usable() {
+    let srv = TestServer::start();
+    let c = RpcClient::new(srv.path());
+    for _ in 0..20 {
+        let c2 = c.clone();
+        let t = tokio::spawn(async move {
+            c2.call::<_, String>("big", &json!({"bytes": 1 << 16}))
+                .await
+        });
+        tokio::task::yield_now().await;
+        t.abort();
+        // Dropped mid-flight, with the request possibly half queued: the stream stays in sync.
+        let _ = tokio::time::timeout(
+            Duration::from_millis(1),
+            c.call::<_, Value>("sleep", &json!({"ms": 50})),
+        )
+        .await;
+    }
+    let v: Value = c.call("echo", &json!({"after": "cancel"})).await.unwrap();
+    assert_eq!(v, json!({"after": "cancel"}));
+}
