@@ -650,3 +650,50 @@ async fn cancelled_calls_leave_the_connection_usable() {
     let v: Value = c.call("echo", &json!({"after": "cancel"})).await.unwrap();
     assert_eq!(v, json!({"after": "cancel"}));
 }
+
+/// Replay SPDK's recorded raw-socket cases (`samples/err_malformed_json.json`).
+#[tokio::test]
+async fn spdk_malformed_json_cases() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/samples/err_malformed_json.json"
+    ))
+    .unwrap();
+    let cases: Value = serde_json::from_str(&text).unwrap();
+    let srv = TestServer::start();
+    for (name, case) in cases.as_object().unwrap() {
+        let sent = case["sent"].as_str().unwrap();
+        let mut s = UnixStream::connect(srv.path()).await.unwrap();
+        s.write_all(sent.as_bytes()).await.unwrap();
+        let spdk_closed = case["server_closed"].as_bool().unwrap();
+        if !spdk_closed {
+            // SPDK kept the connection open: so do we, and give the same answer if any.
+            let mut buf = vec![0u8; 4096];
+            let expected = case["response"].as_str().unwrap();
+            if expected.is_empty() {
+                let r = tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await;
+                assert!(r.is_err(), "{name}: server answered or closed early: {r:?}");
+            } else {
+                // Byte for byte: SPDK's reply is one line ending in '\n'.
+                let mut got = Vec::new();
+                while !got.ends_with(b"\n") {
+                    let k = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    assert!(k > 0, "{name}: EOF");
+                    got.extend_from_slice(&buf[..k]);
+                }
+                assert_eq!(String::from_utf8(got).unwrap(), expected, "{name}");
+                continue;
+            }
+            // Then SPDK saw the half-close and closed without a word; we also close, with a
+            // -32700 reply first.
+            s.shutdown().await.unwrap();
+        }
+        let out = read_to_eof(&mut s).await;
+        let v: Value = serde_json::from_slice(&out).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(v["error"]["code"], codes::PARSE_ERROR, "{name}");
+        assert_eq!(v["id"], Value::Null, "{name}");
+    }
+}
