@@ -30,9 +30,9 @@ pub trait Method {
     /// state (a read). The client retries such calls once on a broken connection.
     const IDEMPOTENT: bool;
     /// Params type; [`NoParams`] for methods without params.
-    type Params: Serialize + DeserializeOwned + Send + Sync + 'static;
+    type Params: Serialize + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static;
     /// Result type.
-    type Result: Serialize + DeserializeOwned + Send + 'static;
+    type Result: Serialize + DeserializeOwned + std::fmt::Debug + Send + 'static;
 }
 
 /// Params of methods that take none. Serializes to `{}` (which the client omits from the
