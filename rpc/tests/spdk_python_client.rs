@@ -212,13 +212,10 @@ async fn spdk_rpc_param_names_accepted() {
     use std::sync::{Arc, Mutex};
 
     let Some(bin) = spdk_rpc() else { return };
-    let seen: Arc<Mutex<Vec<(String, Option<Value>)>>> = Arc::default();
+    type Seen = Arc<Mutex<Vec<(String, Option<Value>)>>>;
+    let seen: Seen = Arc::default();
 
-    fn accept<M: Method>(
-        r: Router,
-        result: Value,
-        seen: &Arc<Mutex<Vec<(String, Option<Value>)>>>,
-    ) -> Router {
+    fn accept<M: Method>(r: Router, result: Value, seen: &Seen) -> Router {
         let seen = Arc::clone(seen);
         r.route(M::NAME, move |params: Option<Value>| {
             let result = result.clone();
