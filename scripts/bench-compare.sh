@@ -11,7 +11,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 
-KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/target/release/katablk-vhost} # server under test
+KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/build/release/katablk-vhost} # server under test
 QSD=${QSD:-qemu-storage-daemon}                  # the reference server
 BENCH_BIN_DIR=${BENCH_BIN_DIR:-$CARGO_TARGET_DIR/release}
 BUILD=${BUILD:-1}                                # 1: cargo build --release -p katablk-bench first

@@ -1,0 +1,923 @@
+//! An async SPDK JSON-RPC client over a unix socket.
+//!
+//! One [`RpcClient`] holds one connection, shared by every task that clones it: requests are
+//! pipelined (written back to back by a writer task, so a cancelled call never leaves half a
+//! request on the socket) and a reader task matches replies to callers by id, so replies may
+//! arrive in any order. The connection is opened on first use and re-opened after it breaks.
+//!
+//! ## Retries on a broken connection
+//! - A request that was never completely written (the connection was already known to be
+//!   dead, or the write failed) cannot have run, so it is retried once on a new connection,
+//!   whatever the method.
+//! - A request that was written but whose reply was lost with the connection is retried once
+//!   only if the method is an idempotent read ([`Method::IDEMPOTENT`]): `spdk_get_version`,
+//!   `rpc_get_methods`, `framework_wait_init`, `framework_get_subsystems`,
+//!   `framework_get_config`, `bdev_get_bdevs`, `bdev_get_iostat`, `bdev_wait_for_examine`,
+//!   `bdev_lvol_get_lvstores`, `bdev_lvol_get_lvols`, `vhost_get_controllers`. A mutation
+//!   (create/delete/resize/...) fails with [`RpcError::Disconnected`]: it may or may not have
+//!   run, and the caller decides (the CSI driver re-issues it and treats
+//!   [`RpcError::is_exists`] / [`RpcError::is_not_found`] as success).
+//! - Timeouts are never retried.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::error::RpcError;
+use crate::methods::*;
+use crate::wire::{params_value, Id, Request, Response, StreamDecoder, DEFAULT_MAX_MESSAGE_SIZE};
+
+/// SPDK's default RPC socket.
+pub const DEFAULT_SOCKET_PATH: &str = "/var/tmp/spdk.sock";
+
+/// Default per-call timeout (SPDK's python client also waits 60 s).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Default connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Builder for [`RpcClient`].
+#[derive(Debug, Clone)]
+pub struct RpcClientBuilder {
+    path: PathBuf,
+    timeout: Duration,
+    connect_timeout: Duration,
+    max_message_size: usize,
+}
+
+impl RpcClientBuilder {
+    /// Default per-call timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connect timeout.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Largest accepted reply, in bytes (default 64 MiB).
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = bytes;
+        self
+    }
+
+    /// Build the client; it connects on first use.
+    pub fn build(self) -> RpcClient {
+        RpcClient {
+            inner: Arc::new(Inner {
+                path: self.path,
+                timeout: self.timeout,
+                connect_timeout: self.connect_timeout,
+                max_message_size: self.max_message_size,
+                next_id: AtomicU64::new(1),
+                conn: tokio::sync::Mutex::new(None),
+            }),
+        }
+    }
+}
+
+/// A cloneable handle to one pipelined JSON-RPC connection. See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct RpcClient {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    path: PathBuf,
+    timeout: Duration,
+    connect_timeout: Duration,
+    max_message_size: usize,
+    next_id: AtomicU64,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+}
+
+type ReplyTx = oneshot::Sender<Result<Response, RpcError>>;
+
+/// State shared between callers and the reader task.
+#[derive(Debug, Default)]
+struct Shared {
+    pending: HashMap<u64, ReplyTx>,
+    /// Why the connection is dead, once it is.
+    closed: Option<String>,
+}
+
+struct WriteReq {
+    bytes: Vec<u8>,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    shared: Arc<Mutex<Shared>>,
+    writes: mpsc::UnboundedSender<WriteReq>,
+    reader: JoinHandle<()>,
+    writer: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for WriteReq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteReq")
+            .field("len", &self.bytes.len())
+            .finish()
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.reader.abort();
+        self.writer.abort();
+    }
+}
+
+/// Lock the shared state, recovering from a poisoned lock (the state stays consistent: every
+/// critical section is a single map operation).
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Mark the connection dead and fail every waiting call.
+fn close_shared(shared: &Mutex<Shared>, reason: String) {
+    let pending = {
+        let mut s = lock(shared);
+        if s.closed.is_none() {
+            s.closed = Some(reason.clone());
+        }
+        std::mem::take(&mut s.pending)
+    };
+    for (_, tx) in pending {
+        let _ = tx.send(Err(RpcError::Disconnected(reason.clone())));
+    }
+}
+
+impl Conn {
+    fn is_closed(&self) -> bool {
+        lock(&self.shared).closed.is_some()
+    }
+
+    fn open(stream: UnixStream, max_message_size: usize) -> Self {
+        let (rd, wr) = stream.into_split();
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(read_replies(rd, Arc::clone(&shared), max_message_size));
+        let writer = tokio::spawn(write_requests(wr, rx, Arc::clone(&shared)));
+        Self {
+            shared,
+            writes: tx,
+            reader,
+            writer,
+        }
+    }
+}
+
+async fn write_requests(
+    mut wr: tokio::net::unix::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<WriteReq>,
+    shared: Arc<Mutex<Shared>>,
+) {
+    let mut failed: Option<String> = None;
+    while let Some(req) = rx.recv().await {
+        if let Some(reason) = &failed {
+            let _ = req.done.send(Err(reason.clone()));
+            continue;
+        }
+        match wr.write_all(&req.bytes).await {
+            Ok(()) => {
+                let _ = req.done.send(Ok(()));
+            }
+            Err(e) => {
+                let reason = format!("write failed: {e}");
+                let _ = req.done.send(Err(reason.clone()));
+                close_shared(&shared, reason.clone());
+                failed = Some(reason);
+            }
+        }
+    }
+}
+
+async fn read_replies(
+    mut rd: tokio::net::unix::OwnedReadHalf,
+    shared: Arc<Mutex<Shared>>,
+    max: usize,
+) {
+    let mut dec = StreamDecoder::new(max);
+    let mut buf = vec![0u8; 64 * 1024];
+    let reason = 'conn: loop {
+        let n = match rd.read(&mut buf).await {
+            Ok(0) => break 'conn "server closed the connection".to_owned(),
+            Ok(n) => n,
+            Err(e) => break 'conn format!("read failed: {e}"),
+        };
+        dec.feed(&buf[..n]);
+        loop {
+            let v = match dec.next_value() {
+                Ok(Some(v)) => v,
+                Ok(None) => break,
+                Err(e) => break 'conn format!("undecodable reply: {e}"),
+            };
+            let raw_id = v.get("id").and_then(Value::as_u64);
+            let resp = match Response::from_value(v) {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!("invalid JSON-RPC reply: {e}");
+                    // Fail the caller it belongs to, if we can tell.
+                    if let Some(tx) = raw_id.and_then(|id| lock(&shared).pending.remove(&id)) {
+                        let _ = tx.send(Err(RpcError::Protocol(e)));
+                    }
+                    continue;
+                }
+            };
+            let id = match &resp.id {
+                Id::Number(n) => n.as_u64(),
+                _ => None,
+            };
+            match id {
+                Some(id) => {
+                    let tx = lock(&shared).pending.remove(&id);
+                    match tx {
+                        Some(tx) => {
+                            let _ = tx.send(Ok(resp));
+                        }
+                        None => debug!(id, "dropping reply nobody waits for (timed out?)"),
+                    }
+                }
+                None => {
+                    // A reply the server could not tie to a request (e.g. -32700 with a null
+                    // id): our stream is out of sync; fail everything.
+                    let what = match &resp.payload {
+                        Err(e) => format!("server error without request id: {e}"),
+                        Ok(_) => "reply without a usable id".to_owned(),
+                    };
+                    let pending = std::mem::take(&mut lock(&shared).pending);
+                    for (_, tx) in pending {
+                        let _ = tx.send(Err(RpcError::Protocol(what.clone())));
+                    }
+                }
+            }
+        }
+    };
+    debug!("RPC client connection closed: {reason}");
+    close_shared(&shared, reason);
+}
+
+/// Removes a pending entry when the call ends, however it ends.
+struct PendingGuard<'a> {
+    shared: &'a Mutex<Shared>,
+    id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        lock(self.shared).pending.remove(&self.id);
+    }
+}
+
+/// How a single attempt failed.
+enum Attempt {
+    /// The request was not (completely) written: safe to retry.
+    NotSent(RpcError),
+    /// Written, then the connection died.
+    Lost(RpcError),
+    /// Anything else (timeout, protocol): final.
+    Final(RpcError),
+}
+
+impl RpcClient {
+    /// A client for `path` with default settings; connects on first use.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self::builder(path).build()
+    }
+
+    /// A client for SPDK's default socket, [`DEFAULT_SOCKET_PATH`].
+    pub fn default_socket() -> Self {
+        Self::new(DEFAULT_SOCKET_PATH)
+    }
+
+    /// A builder with default settings.
+    pub fn builder(path: impl Into<PathBuf>) -> RpcClientBuilder {
+        RpcClientBuilder {
+            path: path.into(),
+            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+        }
+    }
+
+    /// Connect now (instead of on first call), reporting [`RpcError::Connect`] early.
+    pub async fn connect(path: impl Into<PathBuf>) -> Result<Self, RpcError> {
+        let c = Self::new(path);
+        let deadline = Instant::now() + c.inner.connect_timeout;
+        c.connection(deadline).await?;
+        Ok(c)
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The default per-call timeout.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// Drop the current connection (in-flight calls fail with [`RpcError::Disconnected`]);
+    /// the next call reconnects.
+    pub async fn disconnect(&self) {
+        if let Some(c) = self.inner.conn.lock().await.take() {
+            close_shared(&c.shared, "disconnected by client".to_owned());
+        }
+    }
+
+    async fn connection(&self, deadline: Instant) -> Result<Arc<Conn>, RpcError> {
+        let mut slot = self.inner.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.is_closed() {
+                return Ok(Arc::clone(c));
+            }
+        }
+        *slot = None;
+        let limit = deadline.min(Instant::now() + self.inner.connect_timeout);
+        let path = &self.inner.path;
+        let stream = match tokio::time::timeout_at(limit, UnixStream::connect(path)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => {
+                return Err(RpcError::Connect {
+                    path: path.clone(),
+                    source,
+                })
+            }
+            Err(_) => {
+                let source = std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out");
+                return Err(RpcError::Connect {
+                    path: path.clone(),
+                    source,
+                });
+            }
+        };
+        debug!(path = %path.display(), "RPC client connected");
+        let c = Arc::new(Conn::open(stream, self.inner.max_message_size));
+        *slot = Some(Arc::clone(&c));
+        Ok(c)
+    }
+
+    async fn forget(&self, conn: &Arc<Conn>) {
+        let mut slot = self.inner.conn.lock().await;
+        if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            *slot = None;
+        }
+    }
+
+    async fn attempt(
+        &self,
+        conn: &Conn,
+        method: &str,
+        params: &Option<Value>,
+        deadline: Instant,
+    ) -> Result<Value, Attempt> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = Request::new(method, Id::from(id), params.clone());
+        let mut bytes = serde_json::to_vec(&req).map_err(|source| {
+            Attempt::Final(RpcError::Decode {
+                method: method.to_owned(),
+                source,
+            })
+        })?;
+        bytes.push(b'\n');
+        let (reply_tx, reply_rx) = oneshot::channel();
+        {
+            let mut s = lock(&conn.shared);
+            if let Some(reason) = &s.closed {
+                return Err(Attempt::NotSent(RpcError::Disconnected(reason.clone())));
+            }
+            s.pending.insert(id, reply_tx);
+        }
+        // Unregisters on every exit, including the caller dropping this future.
+        let _pending = PendingGuard {
+            shared: &conn.shared,
+            id,
+        };
+        let (done_tx, done_rx) = oneshot::channel();
+        if conn
+            .writes
+            .send(WriteReq {
+                bytes,
+                done: done_tx,
+            })
+            .is_err()
+        {
+            return Err(Attempt::NotSent(RpcError::Disconnected(
+                "writer stopped".to_owned(),
+            )));
+        }
+        let timeout = |after: Duration| RpcError::Timeout {
+            method: method.to_owned(),
+            after,
+        };
+        let total = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout_at(deadline, done_rx).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(reason))) => {
+                return Err(Attempt::NotSent(RpcError::Disconnected(reason)));
+            }
+            Ok(Err(_)) => {
+                return Err(Attempt::NotSent(RpcError::Disconnected(
+                    "writer stopped".to_owned(),
+                )));
+            }
+            Err(_) => {
+                return Err(Attempt::Final(timeout(total)));
+            }
+        }
+        match tokio::time::timeout_at(deadline, reply_rx).await {
+            Ok(Ok(Ok(resp))) => Ok(resp
+                .payload
+                .map_err(RpcError::from)
+                .map_err(Attempt::Final)?),
+            Ok(Ok(Err(e @ RpcError::Disconnected(_)))) => Err(Attempt::Lost(e)),
+            Ok(Ok(Err(e))) => Err(Attempt::Final(e)),
+            Ok(Err(_)) => Err(Attempt::Lost(RpcError::Disconnected(
+                "connection dropped".to_owned(),
+            ))),
+            Err(_) => Err(Attempt::Final(timeout(total))),
+        }
+    }
+
+    /// Call `method` with raw params; see [`call_with`](Self::call_with).
+    pub async fn call_value(
+        &self,
+        method: &str,
+        params: Option<Value>,
+        idempotent: bool,
+        timeout: Duration,
+    ) -> Result<Value, RpcError> {
+        let deadline = Instant::now() + timeout;
+        let mut retried = false;
+        loop {
+            let conn = self.connection(deadline).await?;
+            match self.attempt(&conn, method, &params, deadline).await {
+                Ok(v) => return Ok(v),
+                Err(Attempt::Final(e)) => return Err(e),
+                Err(Attempt::NotSent(e)) => {
+                    self.forget(&conn).await;
+                    if retried {
+                        return Err(e);
+                    }
+                    debug!(method, "request not sent ({e}); reconnecting and retrying");
+                }
+                Err(Attempt::Lost(e)) => {
+                    self.forget(&conn).await;
+                    if retried || !idempotent {
+                        return Err(e);
+                    }
+                    debug!(method, "reply lost ({e}); retrying idempotent call");
+                }
+            }
+            retried = true;
+        }
+    }
+
+    /// Call any method: serialize `params` (`()` or an empty struct means no params), wait for
+    /// the reply within the default timeout, decode `result` as `R`. Treated as
+    /// non-idempotent (see the [module docs](self) on retries).
+    pub async fn call<P: Serialize, R: DeserializeOwned>(
+        &self,
+        method: &str,
+        params: &P,
+    ) -> Result<R, RpcError> {
+        self.call_with(method, params, false, self.inner.timeout)
+            .await
+    }
+
+    /// [`call`](Self::call) with an explicit idempotency flag and timeout.
+    pub async fn call_with<P: Serialize, R: DeserializeOwned>(
+        &self,
+        method: &str,
+        params: &P,
+        idempotent: bool,
+        timeout: Duration,
+    ) -> Result<R, RpcError> {
+        let params = params_value(params).map_err(|source| RpcError::Decode {
+            method: method.to_owned(),
+            source,
+        })?;
+        let v = self.call_value(method, params, idempotent, timeout).await?;
+        serde_json::from_value(v).map_err(|source| RpcError::Decode {
+            method: method.to_owned(),
+            source,
+        })
+    }
+
+    /// Call a typed method with the default timeout.
+    pub async fn call_method<M: Method>(&self, params: &M::Params) -> Result<M::Result, RpcError> {
+        self.call_with(M::NAME, params, M::IDEMPOTENT, self.inner.timeout)
+            .await
+    }
+
+    /// Call a typed method with an explicit timeout.
+    pub async fn call_method_timeout<M: Method>(
+        &self,
+        params: &M::Params,
+        timeout: Duration,
+    ) -> Result<M::Result, RpcError> {
+        self.call_with(M::NAME, params, M::IDEMPOTENT, timeout)
+            .await
+    }
+
+    // ---- framework -------------------------------------------------------------------
+
+    /// `spdk_get_version`.
+    pub async fn spdk_get_version(&self) -> Result<VersionInfo, RpcError> {
+        self.call_method::<SpdkGetVersion>(&NoParams {}).await
+    }
+
+    /// `rpc_get_methods`.
+    pub async fn rpc_get_methods(
+        &self,
+        params: &RpcGetMethodsParams,
+    ) -> Result<Vec<String>, RpcError> {
+        self.call_method::<RpcGetMethods>(params).await
+    }
+
+    /// `framework_wait_init`.
+    pub async fn framework_wait_init(&self) -> Result<bool, RpcError> {
+        self.call_method::<FrameworkWaitInit>(&NoParams {}).await
+    }
+
+    /// `framework_start_init`.
+    pub async fn framework_start_init(&self) -> Result<bool, RpcError> {
+        self.call_method::<FrameworkStartInit>(&NoParams {}).await
+    }
+
+    /// `framework_get_subsystems`.
+    pub async fn framework_get_subsystems(&self) -> Result<Vec<SubsystemInfo>, RpcError> {
+        self.call_method::<FrameworkGetSubsystems>(&NoParams {})
+            .await
+    }
+
+    /// `framework_get_config` for one subsystem.
+    pub async fn framework_get_config(
+        &self,
+        name: &str,
+    ) -> Result<Option<Vec<ConfigEntry>>, RpcError> {
+        self.call_method::<FrameworkGetConfig>(&FrameworkGetConfigParams {
+            name: name.to_owned(),
+            with_batches: None,
+        })
+        .await
+    }
+
+    /// `save_config`, assembled client-side as SPDK's `rpc.py save_config` does:
+    /// `framework_get_subsystems`, then `framework_get_config` for each subsystem.
+    pub async fn save_config(&self) -> Result<Config, RpcError> {
+        let mut cfg = Config::default();
+        for s in self.framework_get_subsystems().await? {
+            let config = self.framework_get_config(&s.subsystem).await?;
+            cfg.subsystems.push(SubsystemConfig {
+                subsystem: s.subsystem,
+                config,
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// `load_config`, as SPDK's `rpc.py load_config` does: check every method is known
+    /// (`rpc_get_methods`), then replay the calls in order, in rounds, calling each one once
+    /// it is allowed in the current state (`rpc_get_methods {"current": true}`) and
+    /// `framework_start_init` when the server offers it. Returns the calls that could not be
+    /// made.
+    pub async fn load_config(&self, config: &Config) -> Result<Vec<ConfigEntry>, RpcError> {
+        let mut todo: Vec<ConfigEntry> = config
+            .subsystems
+            .iter()
+            .filter_map(|s| s.config.as_ref())
+            .flatten()
+            .cloned()
+            .collect();
+        let known = self
+            .rpc_get_methods(&RpcGetMethodsParams::default())
+            .await?;
+        if let Some(e) = todo.iter().find(|e| !known.contains(&e.method)) {
+            return Err(RpcError::Spdk {
+                code: crate::error::codes::METHOD_NOT_FOUND,
+                message: format!("Unknown method {:?} in the config", e.method),
+            });
+        }
+        loop {
+            let allowed = self
+                .rpc_get_methods(&RpcGetMethodsParams {
+                    current: Some(true),
+                    include_aliases: None,
+                })
+                .await?;
+            let mut progressed = false;
+            let mut rest = Vec::new();
+            for e in todo {
+                if allowed.contains(&e.method) {
+                    self.call_value(&e.method, e.params.clone(), false, self.inner.timeout)
+                        .await?;
+                    progressed = true;
+                } else {
+                    rest.push(e);
+                }
+            }
+            todo = rest;
+            if allowed.iter().any(|m| m == FrameworkStartInit::NAME) {
+                self.framework_start_init().await?;
+                progressed = true;
+            }
+            if todo.is_empty() || !progressed {
+                return Ok(todo);
+            }
+        }
+    }
+
+    /// `spdk_kill_instance`. A connection closed by the dying server counts as success, as
+    /// in SPDK's python client.
+    pub async fn spdk_kill_instance(&self, sig_name: &str) -> Result<bool, RpcError> {
+        match self
+            .call_method::<SpdkKillInstance>(&SpdkKillInstanceParams {
+                sig_name: sig_name.to_owned(),
+            })
+            .await
+        {
+            Err(RpcError::Disconnected(_)) => Ok(true),
+            r => r,
+        }
+    }
+
+    // ---- bdev ------------------------------------------------------------------------
+
+    /// `bdev_get_bdevs`: all bdevs, or the one named (`-19` if missing).
+    pub async fn bdev_get_bdevs(&self, name: Option<&str>) -> Result<Vec<BdevInfo>, RpcError> {
+        self.call_method::<BdevGetBdevs>(&BdevGetBdevsParams {
+            name: name.map(str::to_owned),
+            timeout: None,
+        })
+        .await
+    }
+
+    /// One bdev by name, alias or UUID; `Ok(None)` if it does not exist.
+    pub async fn bdev_get_bdev(&self, name: &str) -> Result<Option<BdevInfo>, RpcError> {
+        match self.bdev_get_bdevs(Some(name)).await {
+            Ok(v) => Ok(v.into_iter().next()),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `bdev_get_iostat`.
+    pub async fn bdev_get_iostat(
+        &self,
+        params: &BdevGetIostatParams,
+    ) -> Result<IostatResult, RpcError> {
+        self.call_method::<BdevGetIostat>(params).await
+    }
+
+    /// `bdev_wait_for_examine`.
+    pub async fn bdev_wait_for_examine(&self) -> Result<bool, RpcError> {
+        self.call_method::<BdevWaitForExamine>(&NoParams {}).await
+    }
+
+    /// `bdev_aio_create` → bdev name.
+    pub async fn bdev_aio_create(&self, params: &BdevAioCreateParams) -> Result<String, RpcError> {
+        self.call_method::<BdevAioCreate>(params).await
+    }
+
+    /// `bdev_aio_delete`.
+    pub async fn bdev_aio_delete(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevAioDelete>(&BdevDeleteParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    /// `bdev_malloc_create` → bdev name.
+    pub async fn bdev_malloc_create(
+        &self,
+        params: &BdevMallocCreateParams,
+    ) -> Result<String, RpcError> {
+        self.call_method::<BdevMallocCreate>(params).await
+    }
+
+    /// `bdev_malloc_delete`.
+    pub async fn bdev_malloc_delete(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevMallocDelete>(&BdevDeleteParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    /// `bdev_null_create` → bdev name.
+    pub async fn bdev_null_create(
+        &self,
+        params: &BdevNullCreateParams,
+    ) -> Result<String, RpcError> {
+        self.call_method::<BdevNullCreate>(params).await
+    }
+
+    /// `bdev_null_delete`.
+    pub async fn bdev_null_delete(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevNullDelete>(&BdevDeleteParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    // ---- lvol ------------------------------------------------------------------------
+
+    /// `bdev_lvol_create_lvstore` → lvstore UUID.
+    pub async fn bdev_lvol_create_lvstore(
+        &self,
+        params: &BdevLvolCreateLvstoreParams,
+    ) -> Result<String, RpcError> {
+        self.call_method::<BdevLvolCreateLvstore>(params).await
+    }
+
+    /// `bdev_lvol_get_lvstores`.
+    pub async fn bdev_lvol_get_lvstores(
+        &self,
+        select: &LvstoreSelector,
+    ) -> Result<Vec<LvstoreInfo>, RpcError> {
+        self.call_method::<BdevLvolGetLvstores>(select).await
+    }
+
+    /// `bdev_lvol_delete_lvstore`.
+    pub async fn bdev_lvol_delete_lvstore(
+        &self,
+        select: &LvstoreSelector,
+    ) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolDeleteLvstore>(select).await
+    }
+
+    /// `bdev_lvol_rename_lvstore`.
+    pub async fn bdev_lvol_rename_lvstore(
+        &self,
+        old_name: &str,
+        new_name: &str,
+    ) -> Result<bool, RpcError> {
+        let p = RenameParams {
+            old_name: old_name.to_owned(),
+            new_name: new_name.to_owned(),
+        };
+        self.call_method::<BdevLvolRenameLvstore>(&p).await
+    }
+
+    /// `bdev_lvol_grow_lvstore`.
+    pub async fn bdev_lvol_grow_lvstore(&self, select: &LvstoreSelector) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolGrowLvstore>(select).await
+    }
+
+    /// `bdev_lvol_create` → lvol UUID.
+    pub async fn bdev_lvol_create(
+        &self,
+        params: &BdevLvolCreateParams,
+    ) -> Result<String, RpcError> {
+        self.call_method::<BdevLvolCreate>(params).await
+    }
+
+    /// `bdev_lvol_get_lvols`.
+    pub async fn bdev_lvol_get_lvols(
+        &self,
+        params: &BdevLvolGetLvolsParams,
+    ) -> Result<Vec<LvolInfo>, RpcError> {
+        self.call_method::<BdevLvolGetLvols>(params).await
+    }
+
+    /// `bdev_lvol_delete` (UUID or `lvs/lvol`).
+    pub async fn bdev_lvol_delete(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolDelete>(&LvolNameParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    /// `bdev_lvol_resize`.
+    pub async fn bdev_lvol_resize(&self, name: &str, size_in_mib: u64) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolResize>(&BdevLvolResizeParams {
+            name: name.to_owned(),
+            size_in_mib,
+        })
+        .await
+    }
+
+    /// `bdev_lvol_rename` (`new_name` is the lvol part only).
+    pub async fn bdev_lvol_rename(&self, old_name: &str, new_name: &str) -> Result<bool, RpcError> {
+        let p = RenameParams {
+            old_name: old_name.to_owned(),
+            new_name: new_name.to_owned(),
+        };
+        self.call_method::<BdevLvolRename>(&p).await
+    }
+
+    /// `bdev_lvol_snapshot` → snapshot UUID.
+    pub async fn bdev_lvol_snapshot(
+        &self,
+        lvol_name: &str,
+        snapshot_name: &str,
+    ) -> Result<String, RpcError> {
+        let p = BdevLvolSnapshotParams {
+            lvol_name: lvol_name.to_owned(),
+            snapshot_name: snapshot_name.to_owned(),
+        };
+        self.call_method::<BdevLvolSnapshot>(&p).await
+    }
+
+    /// `bdev_lvol_clone` → clone UUID.
+    pub async fn bdev_lvol_clone(
+        &self,
+        snapshot_name: &str,
+        clone_name: &str,
+    ) -> Result<String, RpcError> {
+        let p = BdevLvolCloneParams {
+            snapshot_name: snapshot_name.to_owned(),
+            clone_name: clone_name.to_owned(),
+        };
+        self.call_method::<BdevLvolClone>(&p).await
+    }
+
+    /// `bdev_lvol_inflate`.
+    pub async fn bdev_lvol_inflate(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolInflate>(&LvolNameParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    /// `bdev_lvol_decouple_parent`.
+    pub async fn bdev_lvol_decouple_parent(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolDecoupleParent>(&LvolNameParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    /// `bdev_lvol_set_read_only`.
+    pub async fn bdev_lvol_set_read_only(&self, name: &str) -> Result<bool, RpcError> {
+        self.call_method::<BdevLvolSetReadOnly>(&LvolNameParams {
+            name: name.to_owned(),
+        })
+        .await
+    }
+
+    // ---- vhost -----------------------------------------------------------------------
+
+    /// `vhost_create_blk_controller`.
+    pub async fn vhost_create_blk_controller(
+        &self,
+        params: &VhostCreateBlkControllerParams,
+    ) -> Result<bool, RpcError> {
+        self.call_method::<VhostCreateBlkController>(params).await
+    }
+
+    /// `vhost_delete_controller`.
+    pub async fn vhost_delete_controller(&self, ctrlr: &str) -> Result<bool, RpcError> {
+        self.call_method::<VhostDeleteController>(&VhostDeleteControllerParams {
+            ctrlr: ctrlr.to_owned(),
+        })
+        .await
+    }
+
+    /// `vhost_get_controllers`: all, or the one named.
+    pub async fn vhost_get_controllers(
+        &self,
+        name: Option<&str>,
+    ) -> Result<Vec<VhostController>, RpcError> {
+        self.call_method::<VhostGetControllers>(&VhostGetControllersParams {
+            name: name.map(str::to_owned),
+        })
+        .await
+    }
+
+    /// `vhost_controller_set_coalescing`.
+    pub async fn vhost_controller_set_coalescing(
+        &self,
+        ctrlr: &str,
+        delay_base_us: u32,
+        iops_threshold: u32,
+    ) -> Result<bool, RpcError> {
+        let p = VhostControllerSetCoalescingParams {
+            ctrlr: ctrlr.to_owned(),
+            delay_base_us,
+            iops_threshold,
+        };
+        self.call_method::<VhostControllerSetCoalescing>(&p).await
+    }
+}
