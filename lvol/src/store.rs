@@ -132,6 +132,8 @@ pub(crate) struct MdState {
     pages: HashMap<u64, Vec<u32>>,
     pub(crate) vols: HashMap<u64, Arc<Lvol>>,
     next_txn: u64,
+    /// Newest committed transaction (whose pages are all still on disk).
+    last_committed: u64,
     next_id: u64,
     deferred_zero: Vec<u32>,
     /// A metadata write failed in a way that could not be undone: refuse further updates.
@@ -220,6 +222,16 @@ impl MdState {
                 "an earlier metadata write failed; reopen the store".into(),
             ));
         }
+        Ok(())
+    }
+
+    /// Writes a new generation of the super block to the other slot and flushes.
+    fn write_sb(&mut self, mut sb: SuperBlock) -> Result<()> {
+        sb.generation = self.sb.generation + 1;
+        let page = sb.encode();
+        self.io.write_at(sb.slot() * PAGE, &page)?;
+        self.flush()?;
+        self.sb = sb;
         Ok(())
     }
 
@@ -432,6 +444,7 @@ impl MdState {
             return Err(e.into());
         }
         // Committed. Release what it superseded.
+        self.last_committed = txn;
         let zero = vec![0u8; PAGE_SIZE];
         let mut to_zero: Vec<u32> = std::mem::take(&mut self.deferred_zero);
         for (id, idx) in chains {
@@ -686,6 +699,8 @@ impl LvStore {
             first_data_cluster,
             uuid: opts.uuid.unwrap_or_else(Uuid::new_v4),
             name: opts.name.clone(),
+            clean: false,
+            last_txn: 0,
         };
         sb.validate()?;
         let io = SyncIo::new(dev.as_ref())?;
@@ -736,6 +751,7 @@ impl LvStore {
             pages: HashMap::new(),
             vols: HashMap::new(),
             next_txn: 1,
+            last_committed: 0,
             next_id: 0,
             deferred_zero: Vec::new(),
             poisoned: false,
@@ -814,7 +830,14 @@ impl LvStore {
             let _ = h.join();
         }
         let mut st = self.shared.md();
-        let _ = st.flush();
+        if !st.poisoned && !st.sb.clean {
+            let mut sb = st.sb.clone();
+            sb.clean = true;
+            sb.last_txn = st.last_committed;
+            if let Err(e) = st.flush().and_then(|_| st.write_sb(sb)) {
+                tracing::warn!("lvstore {}: marking clean shutdown: {e}", st.sb.name);
+            }
+        }
         for v in st.vols.values() {
             v.st_mut().parent = None;
         }
@@ -877,15 +900,11 @@ impl LvStore {
         let n = (size / cs).min(u64::from(u32::MAX));
         if n > st.sb.num_clusters {
             let mut sb = st.sb.clone();
-            sb.generation += 1;
             sb.num_clusters = n;
             sb.size = n * cs;
             sb.validate()?;
-            let page = sb.encode();
-            st.io.write_at(sb.slot() * PAGE, &page)?;
-            st.flush()?;
+            st.write_sb(sb)?;
             st.clusters.grow(n);
-            st.sb = sb;
         }
         Ok(st.sb.num_clusters - st.sb.first_data_cluster)
     }
@@ -1238,6 +1257,7 @@ impl MdState {
         let committed_max = newest.values().copied().max().unwrap_or(0);
         let mut live_pages: HashSet<u32> = HashSet::new();
         let mut tomb_pages: Vec<u32> = Vec::new();
+        let mut tomb_txn: HashMap<u32, u64> = HashMap::new();
         let mut expected_live = None;
         for (&id, &txn) in &newest {
             let g = &groups[&(id, txn)];
@@ -1254,6 +1274,7 @@ impl MdState {
             }
             if chain[0].hdr.flags & PAGE_TOMBSTONE != 0 {
                 tomb_pages.extend(chain.iter().map(|s| s.page));
+                tomb_txn.extend(chain.iter().map(|s| (s.page, txn)));
                 continue;
             }
             let refs: Vec<&[u8]> = chain
@@ -1327,9 +1348,25 @@ impl MdState {
                 p = self.blobs.get(&x).and_then(|y| y.parent);
             }
         }
+        if self.sb.clean && (ignored_txn.is_some() || max_txn != self.sb.last_txn) {
+            return Err(LvolError::CorruptMetadata(format!(
+                "the store was shut down cleanly after transaction {} but the newest intact \
+                 transaction is {}: metadata pages are damaged",
+                self.sb.last_txn,
+                if ignored_txn.is_some() {
+                    committed_max
+                } else {
+                    max_txn
+                }
+            )));
+        }
         for &p in live_pages.iter().chain(tomb_pages.iter()) {
             self.md_used.set(u64::from(p));
         }
+        // From here on the store is in use: clear the clean flag before touching anything.
+        let mut sb = self.sb.clone();
+        sb.clean = false;
+        self.write_sb(sb)?;
         // Scrub: erase superseded, torn and rolled-back pages first, tombstones after.
         let garbage: Vec<u32> = nonzero
             .iter()
@@ -1343,20 +1380,27 @@ impl MdState {
             }
             self.flush()?;
         }
-        if !tomb_pages.is_empty() {
-            for &p in &tomb_pages {
+        // Tombstones of the newest transaction stay until the next commit, so that the
+        // newest transaction is always entirely on disk (the clean-shutdown check needs it).
+        let (keep, old_tombs): (Vec<u32>, Vec<u32>) = tomb_pages
+            .iter()
+            .partition(|p| tomb_txn.get(p) == Some(&committed_max));
+        if !old_tombs.is_empty() {
+            for &p in &old_tombs {
                 self.io.write_at(self.page_off(p), &zero)?;
                 self.md_used.clear(u64::from(p));
             }
             self.flush()?;
         }
+        self.deferred_zero = keep;
+        self.last_committed = committed_max;
         tracing::info!(
             "opened lvstore {} ({}): {} volumes, {} free clusters, {} pages scrubbed",
             self.sb.name,
             self.sb.uuid,
             self.blobs.len(),
             self.free_clusters(),
-            garbage.len() + tomb_pages.len()
+            garbage.len() + old_tombs.len()
         );
         Ok(())
     }

@@ -41,6 +41,10 @@ pub struct SuperBlock {
     pub uuid: Uuid,
     /// Store name.
     pub name: String,
+    /// The store was closed cleanly (SPDK's `clean` flag); `last_txn` is then meaningful.
+    pub clean: bool,
+    /// Last metadata transaction committed before a clean shutdown.
+    pub last_txn: u64,
 }
 
 impl SuperBlock {
@@ -50,6 +54,8 @@ impl SuperBlock {
         p[0..8].copy_from_slice(SIGNATURE);
         put_u32(&mut p, 8, VERSION);
         put_u32(&mut p, 12, PAGE_SIZE as u32);
+        put_u32(&mut p, 16, u32::from(self.clean));
+        put_u64(&mut p, 160, self.last_txn);
         put_u32(&mut p, 20, self.cluster_size);
         put_u32(&mut p, 24, self.block_size);
         put_u32(&mut p, 28, self.md_start);
@@ -109,6 +115,12 @@ impl SuperBlock {
             first_data_cluster: get_u64(p, 152),
             uuid: Uuid::from_bytes(u),
             name,
+            clean: match get_u32(p, 16) {
+                0 => false,
+                1 => true,
+                x => return bad(format!("clean flag {x}")),
+            },
+            last_txn: get_u64(p, 160),
         };
         sb.validate()?;
         Ok(Some(sb))
@@ -171,6 +183,8 @@ mod tests {
             first_data_cluster: 1,
             uuid: Uuid::new_v4(),
             name: "lvs0".into(),
+            clean: true,
+            last_txn: 77,
         }
     }
 
