@@ -168,7 +168,7 @@ fn deep_queue_scatter_gather() {
     let bufs: Vec<Vec<u8>> = (0..depth)
         .map(|i| pattern(100 + i as u64, 24 << 10))
         .collect();
-    let offs: Vec<u64> = (0..depth as u64).map(|i| i * 30 << 10).collect();
+    let offs: Vec<u64> = (0..depth as u64).map(|i| (i * 30) << 10).collect();
     let iovs: Vec<[iovec; 3]> = bufs
         .iter()
         .map(|b| [iov(&b[..4096]), iov(&b[4096..20480]), iov(&b[20480..])])
