@@ -77,7 +77,7 @@ for s in $SERVERS; do
         if command -v "$QSD" >/dev/null 2>&1; then
             active+=(qsd)
         else
-            log "SKIPPING qsd: $QSD not found (apt-get install qemu-system-x86 or qemu-storage-daemon)"
+            log "SKIPPING qsd: $QSD not found (apt-get install qemu-utils)"
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;

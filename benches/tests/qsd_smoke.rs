@@ -77,9 +77,7 @@ fn json(path: &Path) -> serde_json::Value {
 #[test]
 fn verify_and_measure_against_qsd() {
     let Some(qsd) = find_qsd() else {
-        eprintln!(
-            "SKIPPED: qemu-storage-daemon not found in PATH (apt-get install qemu-system-x86)"
-        );
+        eprintln!("SKIPPED: qemu-storage-daemon not found in PATH (apt-get install qemu-utils)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
