@@ -129,6 +129,29 @@ fn verify_and_measure_against_qsd() {
     assert_eq!(v["device"]["capacity"], 16 << 20);
     assert!(v["server_cpu"]["percent"].as_f64().unwrap() >= 0.0);
 
+    // 1b. Same with 16 KiB blocks split into 4 KiB segments (readv/writev path).
+    let out = bench(&[
+        "--socket",
+        s,
+        "--rw",
+        "randwrite",
+        "--verify",
+        "--runtime",
+        "0.5",
+        "--iodepth",
+        "4",
+        "--bs",
+        "16k",
+        "--segment-size",
+        "4k",
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // 2. Two queues of random reads.
     let read_json = raw.join("002-read.json");
     let out = bench(&[
