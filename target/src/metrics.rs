@@ -11,7 +11,11 @@ use tracing::{info, warn};
 use crate::core::Target;
 
 /// One counter: name suffix, help text and how to read it from the stats.
-type Series = (&'static str, &'static str, fn(&katablk_vhost::StatsSnapshot) -> u64);
+type Series = (
+    &'static str,
+    &'static str,
+    fn(&katablk_vhost::StatsSnapshot) -> u64,
+);
 
 /// Renders the metrics page.
 pub fn render(target: &Target) -> String {
