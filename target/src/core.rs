@@ -701,6 +701,22 @@ impl Target {
                 return Err(einval(format!("transport {t:?}")));
             }
         }
+        let cpumask = match &p.cpumask {
+            Some(m) => {
+                let m = CpuMask::parse(m).map_err(|e| einval(e.to_string()))?;
+                if !m.is_subset_of(&self.settings.cpumask) {
+                    return Err(einval(format!(
+                        "cpumask {m} is not within the target's {}",
+                        self.settings.cpumask
+                    )));
+                }
+                m
+            }
+            None => CpuMask::parse("0x1")
+                .ok()
+                .filter(|m| m.is_subset_of(&self.settings.cpumask))
+                .unwrap_or_else(|| self.settings.cpumask.clone()),
+        };
         let found = inner.find(&p.dev_name).ok_or_else(vhost_no_device)?;
         let canonical = inner.canonical(&found);
         if let Some(c) = inner.users_of(&canonical).first() {
@@ -724,22 +740,6 @@ impl Target {
                     .unwrap_or(false);
                 (dev.clone() as Arc<dyn BlockDevice>, ro)
             }
-        };
-        let cpumask = match &p.cpumask {
-            Some(m) => {
-                let m = CpuMask::parse(m).map_err(|e| einval(e.to_string()))?;
-                if !m.is_subset_of(&self.settings.cpumask) {
-                    return Err(einval(format!(
-                        "cpumask {m} is not within the target's {}",
-                        self.settings.cpumask
-                    )));
-                }
-                m
-            }
-            None => CpuMask::parse("0x1")
-                .ok()
-                .filter(|m| m.is_subset_of(&self.settings.cpumask))
-                .unwrap_or_else(|| self.settings.cpumask.clone()),
         };
         let readonly = p.readonly.unwrap_or(false) || base_ro;
         let socket = self.settings.socket_dir.join(&p.ctrlr);
