@@ -23,7 +23,12 @@ ROUNDS=${ROUNDS:-3}
 IDLE_SECS=${IDLE_SECS:-3}                        # idle-CPU measurement per case and server (0: skip)
 CASES=${CASES:-"file ram"}                       # any of: file ram tmpfs null
 WORKLOADS=${WORKLOADS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8 randread-4k-qd32-2q"}
-SERVERS=${SERVERS:-"katablk qsd"}                # run order within a round
+SERVERS=${SERVERS:-"katablk qsd"}                # run order within a round; qsd2, qsd3...
+                                                 # are extra QSD instances (A/A noise check)
+CANDIDATE=${CANDIDATE:-katablk}                  # ratios are CANDIDATE / BASELINE
+BASELINE=${BASELINE:-qsd}
+SERVER_CPUS=${SERVER_CPUS:-}                     # pin the server with taskset -c (e.g. 0)
+CLIENT_CPUS=${CLIENT_CPUS:-}                     # pin katablk-bench with taskset -c (e.g. 1)
 IMG_MIB=${IMG_MIB:-1024}
 FILE_IMG=${FILE_IMG:-/var/tmp/katablk-bench.img} # "file" case, prefilled with random data
 TMPFS_IMG=${TMPFS_IMG:-/dev/shm/katablk-bench.img} # "ram" (qsd side) and "tmpfs" cases
@@ -56,6 +61,13 @@ if [ "$BUILD" = 1 ]; then
     (cd "$ROOT" && cargo build --release -q -p katablk-bench)
 fi
 BENCH=$BENCH_BIN_DIR/katablk-bench
+run_bench() { # the client, pinned if CLIENT_CPUS is set
+    if [ -n "$CLIENT_CPUS" ]; then
+        taskset -c "$CLIENT_CPUS" "$BENCH" "$@"
+    else
+        "$BENCH" "$@"
+    fi
+}
 for b in katablk-bench katablk-bench-summary katablk-bench-plot; do
     [ -x "$BENCH_BIN_DIR/$b" ] || die "$BENCH_BIN_DIR/$b is missing (cargo build --release -p katablk-bench)"
 done
@@ -73,15 +85,15 @@ for s in $SERVERS; do
             NOTES+=("katablk side skipped: no katablk-vhost binary at $KATABLK_VHOST")
         fi
         ;;
-    qsd)
+    qsd*)
         if command -v "$QSD" >/dev/null 2>&1; then
-            active+=(qsd)
+            active+=("$s")
         else
-            log "SKIPPING qsd: $QSD not found (apt-get install qemu-system-x86 or qemu-storage-daemon)"
+            log "SKIPPING qsd: $QSD not found (apt-get install qemu-utils)"
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;
-    *) die "unknown server '$s' in SERVERS (use katablk and/or qsd)" ;;
+    *) die "unknown server '$s' in SERVERS (use katablk, qsd, qsd2, ...)" ;;
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
@@ -142,6 +154,7 @@ start_server() {
         # shellcheck disable=SC2206
         cmd+=($QSD_EXTRA)
     fi
+    if [ -n "$SERVER_CPUS" ]; then cmd=(taskset -c "$SERVER_CPUS" "${cmd[@]}"); fi
     echo "+ ${cmd[*]}" >"$logf"
     "${cmd[@]}" >>"$logf" 2>&1 &
     SERVER_PID=$!
@@ -201,7 +214,7 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "qsd: $("$QSD" --version 2>/dev/null | head -1 || echo absent)"
     echo "katablk-vhost: $KATABLK_VHOST ($([ -x "$KATABLK_VHOST" ] && echo present || echo absent))"
     echo "servers: ${active[*]}"
-    for v in CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
@@ -220,7 +233,7 @@ for case in $CASES; do
             seq_no=$((seq_no + 1))
             tag=$(printf '%03d-%s-idle-%s' "$seq_no" "$case" "$server")
             start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-            "$BENCH" --socket "$sock" --idle-cpu "$IDLE_SECS" --server-pid "$SERVER_PID" \
+            run_bench --socket "$sock" --idle-cpu "$IDLE_SECS" --server-pid "$SERVER_PID" \
                 --numjobs 1 --no-progress --json "$OUT/raw/$tag.json" --label "$server $case idle" \
                 --meta case="$case" --meta server="$server" --meta workload=idle \
                 >"$OUT/logs/$tag.txt" 2>&1 || die "idle run failed: $(tail -3 "$OUT/logs/$tag.txt")"
@@ -235,7 +248,7 @@ for case in $CASES; do
                 seq_no=$((seq_no + 1))
                 tag=$(printf '%03d-%s-%s-%s-r%d' "$seq_no" "$case" "$wl" "$server" "$round")
                 start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-                if ! "$BENCH" --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$RAMP" \
+                if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$RAMP" \
                     --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
                     --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
                     --meta case="$case" --meta workload="$wl" --meta server="$server" \
@@ -254,7 +267,7 @@ done
 
 note_args=()
 for n in "${NOTES[@]+"${NOTES[@]}"}"; do note_args+=(--note "$n"); done
-"$BENCH_BIN_DIR/katablk-bench-summary" "$OUT" --baseline qsd --candidate katablk "${note_args[@]+"${note_args[@]}"}"
+"$BENCH_BIN_DIR/katablk-bench-summary" "$OUT" --baseline "$BASELINE" --candidate "$CANDIDATE" "${note_args[@]+"${note_args[@]}"}"
 "$BENCH_BIN_DIR/katablk-bench-plot" "$OUT/summary.json" --out "$OUT"
 log "done: $OUT/summary.md"
 cat "$OUT/summary.md"

@@ -3,7 +3,7 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for p in qemu-utils pkg-config; do
+for p in qemu-utils pkg-config fonts-dejavu-core util-linux; do
     dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -12,4 +12,17 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 if ! command -v cargo-nextest >/dev/null 2>&1; then
     cargo install --locked cargo-nextest
+fi
+
+# SPDK's own JSON-RPC client (PyPI `spdk`, the `spdk-rpc` command), used by the target's tests.
+venv=${KATABLK_SPDK_VENV:-/opt/katablk/spdk-venv}
+if [ ! -x "$venv/bin/spdk-rpc" ]; then
+    need_venv=()
+    python3 -c 'import venv, ensurepip' 2>/dev/null || need_venv=(python3-venv)
+    if [ ${#need_venv[@]} -gt 0 ]; then
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${need_venv[@]}"
+    fi
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check spdk==26.9
 fi

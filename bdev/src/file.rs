@@ -101,7 +101,24 @@ pub(crate) struct FileInner {
     pub(crate) file: File,
     pub(crate) path: PathBuf,
     pub(crate) is_blockdev: bool,
+    /// The file lives in memory (tmpfs, ramfs): every request completes without blocking, so
+    /// inline system calls beat io_uring (which punts tmpfs I/O to its worker threads).
+    pub(crate) memory_backed: bool,
     pub(crate) info: DeviceInfo,
+}
+
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const RAMFS_MAGIC: i64 = 0x8584_58f6;
+
+fn is_memory_fs(fd: RawFd) -> bool {
+    // SAFETY: a zeroed statfs is a valid out-buffer; fstatfs fills it for an owned fd.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstatfs(fd, &mut st) } != 0 {
+        return false;
+    }
+    let t = st.f_type as i64;
+    t == TMPFS_MAGIC || t == RAMFS_MAGIC
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -197,11 +214,13 @@ impl FileDevice {
             physical_block_size: dev_pbs.max(block_size),
             optimal_io_size: 0,
         };
+        let memory_backed = !is_blockdev && is_memory_fs(file.as_raw_fd());
         Ok(FileDevice {
             inner: Arc::new(FileInner {
                 file,
                 path: path.to_path_buf(),
                 is_blockdev,
+                memory_backed,
                 info,
             }),
             mode: opts.mode,
@@ -223,6 +242,7 @@ impl FileDevice {
     /// probe succeeds and to [`IoMode::ThreadPool`] otherwise; other modes are returned as is.
     pub fn effective_mode(&self) -> IoMode {
         match self.mode {
+            IoMode::Auto if self.inner.memory_backed => IoMode::Inline,
             IoMode::Auto if self.uring_support().is_ok() => IoMode::IoUring,
             IoMode::Auto => IoMode::ThreadPool,
             m => m,
@@ -441,6 +461,11 @@ impl BlockDevice for FileDevice {
                 depth,
                 max_segments,
             )?)),
+            IoMode::Auto if self.inner.memory_backed => Ok(Box::new(InlineChannel::new(
+                self.inner.clone(),
+                depth,
+                max_segments,
+            ))),
             IoMode::Auto => {
                 if self.uring_support().is_ok() {
                     match self.open_uring(depth, max_segments) {
@@ -541,5 +566,27 @@ mod tests {
     fn missing_file_is_clear() {
         let e = FileDevice::open("/nonexistent/x.img", &FileOptions::default()).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/x.img"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod memfs_tests {
+    use super::*;
+
+    #[test]
+    fn auto_uses_inline_calls_on_tmpfs() {
+        if !std::path::Path::new("/dev/shm").is_dir() {
+            eprintln!("skipped: no /dev/shm");
+            return;
+        }
+        let f = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
+        assert_eq!(dev.effective_mode(), IoMode::Inline);
+        let mut io = crate::sync::SyncIo::new(&dev).unwrap();
+        io.write_at(0, &[7u8; 4096]).unwrap();
+        let mut b = [0u8; 4096];
+        io.read_at(0, &mut b).unwrap();
+        assert_eq!(b, [7u8; 4096]);
     }
 }

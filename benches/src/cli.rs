@@ -57,6 +57,11 @@ pub struct BenchArgs {
     /// Seed for the random offsets.
     #[arg(long, default_value_t = 0x6b61_7461)]
     pub seed: u64,
+    /// Split every request into segments of at most this many bytes (readv/writev with
+    /// several iovecs, as a guest with scattered pages does); requests are also split when
+    /// the device's max-segment-len demands it.
+    #[arg(long, value_name = "BYTES", value_parser = parse_block_size)]
+    pub segment_size: Option<u64>,
     /// Write all results and parameters as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -130,6 +135,7 @@ impl BenchArgs {
             server_pid: self.server_pid,
             progress: !self.no_progress && !self.quiet,
             idle: self.idle_cpu,
+            segment_size: self.segment_size,
         }
     }
 }

@@ -119,6 +119,9 @@ pub struct RunConfig {
     pub progress: bool,
     /// Instead of I/O, stay connected and idle for this long (CPU measurement).
     pub idle: Option<Duration>,
+    /// Split requests into segments of at most this many bytes (also done when the device's
+    /// max-segment-len requires it).
+    pub segment_size: Option<u64>,
 }
 
 /// How long a job waits for any completion before declaring the server stuck.
@@ -255,6 +258,9 @@ struct JobSpec {
     seed: u64,
     verify: bool,
     poll: PollMode,
+    /// Largest segment the device accepts (0: no limit); larger blocks are split into
+    /// several segments (readv/writev).
+    seg_len: u64,
 }
 
 /// Raw results of one job.
@@ -281,6 +287,22 @@ struct Slot {
     submitted: Instant,
     buf: *mut u8,
     check_buf: *mut u8,
+    /// Segments of `buf` and `check_buf` when a block needs several (else empty). Built once;
+    /// never changed while the slot has I/O in flight, so the pointers given to the queue
+    /// stay valid.
+    iov: Vec<libc::iovec>,
+    check_iov: Vec<libc::iovec>,
+}
+
+/// Splits `len` bytes at `base` into segments of at most `seg` bytes.
+fn segments(base: *mut u8, len: usize, seg: usize) -> Vec<libc::iovec> {
+    (0..len.div_ceil(seg))
+        .map(|k| libc::iovec {
+            // SAFETY: k * seg < len, so the pointer stays inside the buffer of `len` bytes.
+            iov_base: unsafe { base.add(k * seg) }.cast(),
+            iov_len: seg.min(len - k * seg),
+        })
+        .collect()
 }
 
 /// The I/O loop of one job: keeps `iodepth` requests in flight on queue `q` until the
@@ -328,11 +350,22 @@ fn run_job(mut q: Blkioq, spec: JobSpec, buf_base: usize, ctl: Arc<Control>) -> 
                 // SAFETY: depth * bs bytes were allocated; slot i uses [i*bs, (i+1)*bs).
                 (unsafe { base.add(i * bs) }, std::ptr::null_mut())
             };
+            let seg = usize::try_from(spec.seg_len).unwrap_or(usize::MAX);
+            let split = seg > 0 && bs > seg;
+            let seg_of = |p: *mut u8| {
+                if split && !p.is_null() {
+                    segments(p, bs, seg)
+                } else {
+                    Vec::new()
+                }
+            };
             Slot {
                 op: Op::Read,
                 offset: 0,
                 seq: 0,
                 submitted: now,
+                iov: seg_of(buf),
+                check_iov: seg_of(check_buf),
                 buf,
                 check_buf,
             }
@@ -486,6 +519,17 @@ fn run_job(mut q: Blkioq, spec: JobSpec, buf_base: usize, ctl: Arc<Control>) -> 
 /// Enqueues the current operation of `slot` (tagged `i`), stamping its submission time.
 fn submit(q: &mut Blkioq, slot: &mut Slot, i: usize, bs: usize) {
     slot.submitted = Instant::now();
+    if !slot.iov.is_empty() {
+        let f = ReqFlags::empty();
+        // Lengths fit: they were checked against max-segments (an i32) before the run.
+        let n = slot.iov.len() as u32;
+        match slot.op {
+            Op::Read => q.readv(slot.offset, slot.iov.as_ptr(), n, i, f),
+            Op::VerifyRead => q.readv(slot.offset, slot.check_iov.as_ptr(), n, i, f),
+            Op::Write | Op::VerifyWrite => q.writev(slot.offset, slot.iov.as_ptr(), n, i, f),
+        }
+        return;
+    }
     match slot.op {
         Op::Read => q.read(slot.offset, slot.buf, bs, i, ReqFlags::empty()),
         Op::VerifyRead => q.read(slot.offset, slot.check_buf, bs, i, ReqFlags::empty()),
@@ -511,6 +555,7 @@ fn params_of(cfg: &RunConfig, size: u64) -> Params {
         label: cfg.label.clone(),
         meta: cfg.meta.clone(),
         server_pid: cfg.server_pid,
+        segment_size: cfg.segment_size,
     }
 }
 
@@ -570,11 +615,24 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
             info.max_transfer
         );
     }
-    if info.max_segment_len > 0 && cfg.bs > info.max_segment_len as u64 {
-        bail!(
-            "--bs {} exceeds the device's max-segment-len {} (this tool sends one segment per request)",
-            cfg.bs,
-            info.max_segment_len
+    let device_seg = u64::try_from(info.max_segment_len.max(0)).unwrap_or(0);
+    let seg_len = match (device_seg, cfg.segment_size) {
+        (0, Some(s)) => s,
+        (d, Some(s)) => d.min(s),
+        (d, None) => d,
+    };
+    if seg_len > 0 && cfg.bs > seg_len {
+        let nseg = cfg.bs.div_ceil(seg_len);
+        let max_segs = u64::try_from(info.max_segments.max(1)).unwrap_or(1);
+        if nseg > max_segs {
+            bail!(
+                "--bs {} needs {nseg} segments of at most {seg_len} bytes, but the device takes {max_segs} per request",
+                cfg.bs
+            );
+        }
+        tracing::info!(
+            "--bs {} is sent as {nseg} segments of at most {seg_len} bytes",
+            cfg.bs
         );
     }
     let size = cfg.size.unwrap_or(info.capacity);
@@ -657,6 +715,7 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
             seed: mix64(cfg.seed.wrapping_add(u64::from(j32))),
             verify: cfg.verify,
             poll: cfg.poll,
+            seg_len,
         };
         let ctl = Arc::clone(&ctl);
         let buf_base = buffers[j].addr;
@@ -859,4 +918,33 @@ fn run_idle(cfg: &RunConfig, mut dev: Device, idle: Duration) -> Result<BenchRep
         client_cpu,
         server_cpu,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cover_the_buffer_exactly() {
+        let mut buf = vec![0u8; 10 * 1024];
+        let base = buf.as_mut_ptr();
+        let segs = segments(base, buf.len(), 4096);
+        assert_eq!(segs.len(), 3);
+        assert_eq!(
+            segs.iter().map(|s| s.iov_len).collect::<Vec<_>>(),
+            vec![4096, 4096, 2048]
+        );
+        assert_eq!(segs[0].iov_base as usize, base as usize);
+        assert_eq!(segs[2].iov_base as usize, base as usize + 8192);
+        assert_eq!(segments(base, 4096, 4096).len(), 1);
+    }
+
+    #[test]
+    fn workload_read_percentages() {
+        assert_eq!(Workload::Randread.read_percent(30), 100);
+        assert_eq!(Workload::Write.read_percent(30), 0);
+        assert_eq!(Workload::Randrw.read_percent(30), 30);
+        assert!(Workload::Randrw.is_random());
+        assert!(!Workload::Read.is_random());
+    }
 }

@@ -57,6 +57,9 @@ pub struct Params {
     pub meta: BTreeMap<String, String>,
     /// Server process whose CPU use was sampled.
     pub server_pid: Option<u32>,
+    /// Segment size requests were split into (`--segment-size`), if any.
+    #[serde(default)]
+    pub segment_size: Option<u64>,
 }
 
 /// What the device reported after connecting.
@@ -305,6 +308,7 @@ mod tests {
                 label: Some("unit".into()),
                 meta,
                 server_pid: Some(99),
+                segment_size: None,
             },
             device: DeviceInfo {
                 capacity: 1 << 30,

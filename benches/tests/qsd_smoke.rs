@@ -77,9 +77,7 @@ fn json(path: &Path) -> serde_json::Value {
 #[test]
 fn verify_and_measure_against_qsd() {
     let Some(qsd) = find_qsd() else {
-        eprintln!(
-            "SKIPPED: qemu-storage-daemon not found in PATH (apt-get install qemu-system-x86)"
-        );
+        eprintln!("SKIPPED: qemu-storage-daemon not found in PATH (apt-get install qemu-utils)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -130,6 +128,29 @@ fn verify_and_measure_against_qsd() {
     assert!(v["total"]["verified"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["device"]["capacity"], 16 << 20);
     assert!(v["server_cpu"]["percent"].as_f64().unwrap() >= 0.0);
+
+    // 1b. Same with 16 KiB blocks split into 4 KiB segments (readv/writev path).
+    let out = bench(&[
+        "--socket",
+        s,
+        "--rw",
+        "randwrite",
+        "--verify",
+        "--runtime",
+        "0.5",
+        "--iodepth",
+        "4",
+        "--bs",
+        "16k",
+        "--segment-size",
+        "4k",
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // 2. Two queues of random reads.
     let read_json = raw.join("002-read.json");
