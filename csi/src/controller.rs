@@ -695,8 +695,20 @@ impl ControllerService {
             .and_then(|l| l.clones.clone())
             .unwrap_or_default();
         // SPDK merges a snapshot into its only clone; with more clones, decouple all but one.
-        for c in clones.iter().skip(1) {
+        // Snapshots cannot be decoupled (read-only), so the one kept is a snapshot if any.
+        let mut ordered = Vec::with_capacity(clones.len());
+        for c in &clones {
             let cid = LvolId::new(&sid.lvs, c)?;
+            let snap = self.d.lvol(&cid).await?.is_some_and(|b| is_snapshot(&b));
+            ordered.push((!snap, cid));
+        }
+        ordered.sort();
+        if ordered.iter().filter(|(writable, _)| !writable).count() > 1 {
+            return Err(CsiError::FailedPrecondition(format!(
+                "snapshot {sid} has several snapshots based on it; delete those first"
+            )));
+        }
+        for (_, cid) in ordered.iter().skip(1) {
             self.d
                 .rpc
                 .bdev_lvol_decouple_parent(&cid.alias())

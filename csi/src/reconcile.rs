@@ -43,6 +43,19 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
     let wanted: std::collections::BTreeSet<String> =
         published.values().map(|p| p.ctrlr.clone()).collect();
 
+    // Orphans first: one may hold the bdev a recorded controller needs.
+    for c in ctrls.iter().filter(|c| c.ctrlr.starts_with(PREFIX)) {
+        if !wanted.contains(&c.ctrlr) {
+            if !c.sessions.is_empty() {
+                tracing::warn!(ctrlr = %c.ctrlr, "unrecorded controller has a live session; kept");
+                continue;
+            }
+            tracing::info!(ctrlr = %c.ctrlr, "deleting orphaned controller");
+            delete_controller(d, &c.ctrlr).await?;
+            d.metrics.reconciled("orphan_controller_deleted");
+            rep.orphan_controllers.push(c.ctrlr.clone());
+        }
+    }
     for (vid, p) in &published {
         let Some(id) = LvolId::parse(vid) else {
             continue;
@@ -82,18 +95,6 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
         }
     }
 
-    for c in ctrls.iter().filter(|c| c.ctrlr.starts_with(PREFIX)) {
-        if !wanted.contains(&c.ctrlr) {
-            if !c.sessions.is_empty() {
-                tracing::warn!(ctrlr = %c.ctrlr, "unrecorded controller has a live session; kept");
-                continue;
-            }
-            tracing::info!(ctrlr = %c.ctrlr, "deleting orphaned controller");
-            delete_controller(d, &c.ctrlr).await?;
-            d.metrics.reconciled("orphan_controller_deleted");
-            rep.orphan_controllers.push(c.ctrlr.clone());
-        }
-    }
     {
         let _m = d.minors.lock().await;
         for name in d.store.device_nodes()?.keys() {
