@@ -152,6 +152,13 @@ impl NodeService {
         validate_path(p, &self.d.cfg.kubelet_dir, what)
     }
 
+    /// A volume path of a stats/expand call: one outside the kubelet directory (or not
+    /// absolute, or with `..`) cannot be a volume this driver published, so it is `NOT_FOUND`.
+    fn existing_volume_path(&self, p: &str) -> Result<PathBuf> {
+        self.target(p, "volume_path")
+            .map_err(|e| CsiError::NotFound(format!("no volume at volume_path: {e}")))
+    }
+
     async fn publish(&self, r: csi::NodePublishVolumeRequest) -> Result<()> {
         if r.volume_id.is_empty() {
             return Err(CsiError::InvalidArgument("volume_id is required".into()));
@@ -341,7 +348,7 @@ impl NodeService {
             return Err(CsiError::InvalidArgument("volume_path is required".into()));
         }
         let id = require_id(&r.volume_id, "volume")?;
-        let path = self.target(&r.volume_path, "volume_path")?;
+        let path = self.existing_volume_path(&r.volume_path)?;
         if std::fs::symlink_metadata(&path).is_err() {
             return Err(CsiError::NotFound(format!(
                 "volume_path {} does not exist",
@@ -430,7 +437,7 @@ impl NodeService {
             return Err(CsiError::InvalidArgument("volume_path is required".into()));
         }
         let id = require_id(&r.volume_id, "volume")?;
-        let path = self.target(&r.volume_path, "volume_path")?;
+        let path = self.existing_volume_path(&r.volume_path)?;
         let b = self
             .d
             .lvol(&id)
