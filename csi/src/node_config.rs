@@ -241,10 +241,22 @@ impl Watcher {
         let mtime = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
             .map_err(|e| CsiError::io("stat", &self.path, e))?;
-        if !force && self.applied == Some(mtime) {
-            return Ok(true);
-        }
         let c = NodeConfig::load(&self.path)?;
+        if !force && self.applied == Some(mtime) {
+            // Unchanged file; still re-apply if the target lost a declared lvstore (it
+            // restarted without its state between two polls).
+            let have = rpc
+                .bdev_lvol_get_lvstores(&Default::default())
+                .await
+                .map_err(CsiError::rpc("bdev_lvol_get_lvstores"))?;
+            if c.devices
+                .iter()
+                .all(|d| have.iter().any(|s| s.name == d.lvs))
+            {
+                return Ok(true);
+            }
+            tracing::warn!("a declared lvstore is missing from the target; re-applying");
+        }
         let errs = apply(rpc, &c).await;
         if errs.is_empty() {
             self.applied = Some(mtime);

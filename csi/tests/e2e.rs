@@ -713,6 +713,8 @@ async fn target_restart_is_reconciled() {
     e.target.spawn();
     let mut w = katablk_csi::node_config::Watcher::new(e.driver.cfg.node_config.clone().unwrap());
     assert!(w.poll(&e.driver.rpc, true).await.unwrap());
+    // An unchanged file with everything present is a no-op.
+    assert!(w.poll(&e.driver.rpc, false).await.unwrap());
     let cond = e
         .node
         .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
@@ -1062,4 +1064,51 @@ async fn binary_serves_csi_and_metrics() {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());
     assert!(!csi_sock.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_config_never_recreates_a_store() {
+    use katablk_csi::node_config::{apply_device, NodeConfig};
+    let e = Env::start().await;
+    let disk = e.root().join("disk.img");
+    let rpc = &e.driver.rpc;
+    // Same device, another lvstore name: refused, lvs0 untouched.
+    let c = NodeConfig::parse(&format!(
+        "devices:\n  - path: {}\n    bdev: lvs0-aio\n    lvs: lvs9\n",
+        disk.display()
+    ))
+    .unwrap();
+    let err = apply_device(rpc, &c.devices[0]).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    // Re-applying the real config is idempotent.
+    let c = NodeConfig::load(e.driver.cfg.node_config.as_ref().unwrap()).unwrap();
+    apply_device(rpc, &c.devices[0]).await.unwrap();
+    apply_device(rpc, &c.devices[0]).await.unwrap();
+    let stores = e.driver.lvstores().await.unwrap();
+    assert_eq!(stores.len(), 1);
+    // A device with a blobstore signature the target did not open: refused.
+    let foreign = e.root().join("foreign.img");
+    let mut img = b"SPDKBLOB".to_vec();
+    img.resize(64 << 20, 0);
+    std::fs::write(&foreign, &img).unwrap();
+    let c = NodeConfig::parse(&format!(
+        "devices:\n  - path: {}\n    lvs: lvsf\n",
+        foreign.display()
+    ))
+    .unwrap();
+    let err = apply_device(rpc, &c.devices[0]).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(&std::fs::read(&foreign).unwrap()[..8], b"SPDKBLOB");
+    // create: false on a blank device: refused.
+    let blank = e.root().join("blank.img");
+    std::fs::File::create(&blank)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let c = NodeConfig::parse(&format!(
+        "devices:\n  - path: {}\n    lvs: lvsb\n    create: false\n",
+        blank.display()
+    ))
+    .unwrap();
+    assert!(apply_device(rpc, &c.devices[0]).await.is_err());
 }
