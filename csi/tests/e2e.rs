@@ -1112,3 +1112,76 @@ async fn node_config_never_recreates_a_store() {
     .unwrap();
     assert!(apply_device(rpc, &c.devices[0]).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_minors_and_driver_restart() {
+    let mut e = Env::start().await;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let v = e
+            .controller
+            .create_volume(create_req(&format!("pvc-m{i}"), 4 << 20))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        ids.push(v.volume_id);
+    }
+    // Concurrent publishes of different volumes get distinct minors.
+    let mut tasks = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        let mut n = e.node.clone();
+        let r = publish_req(id, &e.target_path(&format!("m{i}")), block_cap(), false);
+        tasks.push(tokio::spawn(async move {
+            n.node_publish_volume(r).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let nodes = e.driver.store.device_nodes().unwrap();
+    let mut minors: Vec<u32> = nodes.values().copied().collect();
+    minors.sort();
+    assert_eq!(minors, vec![0, 1, 2, 3]);
+
+    // The driver restarts (new process, same state dir): reconciliation changes nothing that
+    // is in use.
+    let d2 = katablk_csi::Driver::new(e.driver.cfg.clone()).unwrap();
+    let rep = katablk_csi::reconcile::reconcile(&d2).await.unwrap();
+    assert_eq!(rep, Default::default());
+    assert_eq!(d2.store.device_nodes().unwrap(), nodes);
+    for i in 0..4 {
+        assert!(katablk_csi::mounts::is_mount_point(&e.target_path(&format!("m{i}"))).unwrap());
+    }
+    // A freed minor is reused by the next publish.
+    e.node
+        .node_unpublish_volume(unpublish_req(&ids[1], &e.target_path("m1")))
+        .await
+        .unwrap();
+    let freed = nodes[&ctrlr(&ids[1])];
+    e.node
+        .node_publish_volume(publish_req(
+            &ids[1],
+            &e.target_path("m1b"),
+            block_cap(),
+            false,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        e.driver.store.device_nodes().unwrap()[&ctrlr(&ids[1])],
+        freed
+    );
+    e.node
+        .node_unpublish_volume(unpublish_req(&ids[1], &e.target_path("m1b")))
+        .await
+        .unwrap();
+    for (i, id) in ids.iter().enumerate().filter(|(i, _)| *i != 1) {
+        e.node
+            .node_unpublish_volume(unpublish_req(id, &e.target_path(&format!("m{i}"))))
+            .await
+            .unwrap();
+    }
+    assert!(e.driver.store.device_nodes().unwrap().is_empty());
+}
