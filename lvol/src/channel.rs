@@ -525,6 +525,10 @@ impl IoChannel for LvolChannel {
                 }
             }
         }
+        // Finished slots are recycled at once, but their completions count until polled.
+        if self.in_flight() >= self.slots.len() {
+            return Err(SubmitError::Full);
+        }
         let Some(s) = self.free.pop() else {
             return Err(SubmitError::Full);
         };
