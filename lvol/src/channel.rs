@@ -572,22 +572,24 @@ impl IoChannel for LvolChannel {
         if !self.done.is_empty() || self.free.len() == self.slots.len() {
             return Ok(());
         }
-        if !self.deferred.is_empty() || !self.retry.is_empty() {
-            std::thread::sleep(
-                timeout
-                    .unwrap_or(Duration::MAX)
-                    .min(Duration::from_millis(1)),
-            );
-            return Ok(());
-        }
+        let nap = Duration::from_millis(1);
         if self.alloc_waits == 0 {
-            return self.backing.wait(timeout);
+            if self.backing.in_flight() > 0 || self.deferred.is_empty() {
+                return self.backing.wait(timeout);
+            }
+            // Only requests deferred by a freeze (snapshot, delete): check again shortly.
+            std::thread::sleep(timeout.unwrap_or(nap).min(nap));
+            return Ok(());
         }
         if self.epfd.is_none() && self.backing.in_flight() > 0 {
             // Inline backing: its completions are ready now.
             return Ok(());
         }
         let fd = self.notify_fd().unwrap_or(-1);
+        let mut timeout = timeout;
+        if !self.deferred.is_empty() {
+            timeout = Some(timeout.unwrap_or(nap).min(nap));
+        }
         let ms = match timeout {
             None => -1,
             Some(t) => t.as_millis().min(i32::MAX as u128) as i32,

@@ -34,6 +34,8 @@ pub const DESC_XATTR_INTERNAL: u8 = 4;
 
 /// `invalid_flags` bit: thin provisioned (SPDK_BLOB_THIN_PROV).
 pub const FLAG_THIN: u64 = 1;
+/// `invalid_flags` bit: the blob has internal xattrs (SPDK_BLOB_INTERNAL_XATTR).
+pub const FLAG_INTERNAL_XATTR: u64 = 2;
 /// `data_ro_flags` bit: read-only (SPDK_BLOB_READ_ONLY).
 pub const FLAG_READ_ONLY: u64 = 1;
 /// `data_ro_flags` bit: the blob was created as a snapshot.
@@ -255,7 +257,12 @@ pub fn rle(clusters: &[u32]) -> Vec<(u32, u32)> {
 pub fn encode_blob(b: &BlobMd) -> Vec<Vec<u8>> {
     let mut descs = Vec::new();
     let mut flags = [0u8; 24];
-    put_u64(&mut flags, 0, if b.thin { FLAG_THIN } else { 0 });
+    // The clear method is always stored as an internal xattr.
+    put_u64(
+        &mut flags,
+        0,
+        FLAG_INTERNAL_XATTR | if b.thin { FLAG_THIN } else { 0 },
+    );
     let ro = (if b.read_only { FLAG_READ_ONLY } else { 0 })
         | (if b.snapshot { FLAG_SNAPSHOT } else { 0 });
     put_u64(&mut flags, 8, ro);
@@ -267,7 +274,7 @@ pub fn encode_blob(b: &BlobMd) -> Vec<Vec<u8>> {
         push_desc(
             &mut descs,
             DESC_XATTR_INTERNAL,
-            &xattr("parent", &p.to_le_bytes()),
+            &xattr("SNAP", &p.to_le_bytes()),
         );
     }
     push_desc(
@@ -334,7 +341,9 @@ pub fn decode_blob(id: u64, bodies: &[&[u8]], max_cluster: u64) -> Result<BlobMd
                     }
                     let inv = get_u64(d, 0);
                     let ro = get_u64(d, 8);
-                    if inv & !FLAG_THIN != 0 || ro & !(FLAG_READ_ONLY | FLAG_SNAPSHOT) != 0 {
+                    if inv & !(FLAG_THIN | FLAG_INTERNAL_XATTR) != 0
+                        || ro & !(FLAG_READ_ONLY | FLAG_SNAPSHOT) != 0
+                    {
                         return Err(bad(format!("unknown flags {inv:#x}/{ro:#x}")));
                     }
                     flags = Some((
@@ -367,7 +376,7 @@ pub fn decode_blob(id: u64, bodies: &[&[u8]], max_cluster: u64) -> Result<BlobMd
                                 .ok_or_else(|| bad("bad uuid".into()))?;
                             uuid = Some(s);
                         }
-                        (DESC_XATTR_INTERNAL, b"parent") => {
+                        (DESC_XATTR_INTERNAL, b"SNAP") => {
                             if v.len() != 8 {
                                 return Err(bad("parent length".into()));
                             }

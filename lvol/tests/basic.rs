@@ -177,3 +177,45 @@ fn malloc_default_cluster_size() {
     write(&*v, (4 << 20) - (512 << 10), &a);
     assert_eq!(read(&*v, (4 << 20) - (512 << 10), 1 << 20), a);
 }
+
+#[test]
+fn store_is_send_sync() {
+    fn ok<T: Send + Sync>() {}
+    ok::<LvStore>();
+    ok::<katablk_lvol::Lvol>();
+    ok::<Arc<katablk_lvol::Lvol>>();
+}
+
+#[test]
+fn on_a_file() {
+    use katablk_bdev::file::{FileDevice, FileOptions};
+    let f = tempfile::NamedTempFile::new().unwrap();
+    f.as_file().set_len(32 << 20).unwrap();
+    let dev: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::open(f.path(), &FileOptions::default()).unwrap());
+    let mut o = LvsOptions::new("lvs0");
+    o.cluster_size = 1 << 20;
+    let lvs = LvStore::create(dev, o).unwrap();
+    let v = lvs.create_lvol("thin0", 8 << 20, true).unwrap();
+    let a = pattern(11, 3 << 20);
+    write(&*v, 512 << 10, &a);
+    let s = lvs.snapshot("thin0", "snap0").unwrap();
+    let c = lvs.clone("snap0", "clone0").unwrap();
+    write(&*c, 1 << 20, &pattern(12, 4096));
+    drop((v, s, c));
+    drop(lvs);
+    let dev: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::open(f.path(), &FileOptions::default()).unwrap());
+    let lvs = LvStore::open(dev).unwrap();
+    assert_eq!(read(&*lvs.lvol("thin0").unwrap(), 512 << 10, 3 << 20), a);
+    let mut want = a.clone();
+    let o = (1 << 20) - (512 << 10);
+    want[o..o + 4096].copy_from_slice(&pattern(12, 4096));
+    assert_eq!(
+        read(&*lvs.lvol("clone0").unwrap(), 512 << 10, 3 << 20),
+        want
+    );
+    let i = lvs.lvol_info("snap0").unwrap();
+    assert_eq!(i.clones, vec!["thin0".to_string(), "clone0".to_string()]);
+    assert_eq!(i.num_allocated_clusters, 4);
+}
