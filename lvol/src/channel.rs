@@ -451,14 +451,12 @@ impl LvolChannel {
             }
         }
         let mut submitted = moved;
-        let n = self.retry.len();
-        for _ in 0..n {
-            let Some(p) = self.retry.pop_front() else {
-                break;
-            };
+        while let Some(p) = self.retry.pop_front() {
+            let before = self.retry.len();
             self.issue(p);
             submitted = true;
-            if self.retry.len() == n {
+            if self.retry.len() > before {
+                // Queued again: the backing channel is still full.
                 break;
             }
         }

@@ -16,6 +16,9 @@ pub const HDR_LEN: usize = 40;
 pub const NEXT_OFF: usize = PAGE_SIZE - 8;
 /// Bytes of descriptors a page holds.
 pub const BODY_LEN: usize = NEXT_OFF - HDR_LEN;
+/// Largest volume in clusters (thin volumes may be larger than the store, as in SPDK; the
+/// bound keeps the in-memory cluster map reasonable: 64 MiB for the largest volume).
+pub const MAX_VOL_CLUSTERS: u64 = 1 << 24;
 /// "No next page".
 pub const NO_PAGE: u32 = u32::MAX;
 /// Page flag: the page is a tombstone (the blob is deleted as of this transaction).
@@ -405,7 +408,7 @@ pub fn decode_blob(id: u64, bodies: &[&[u8]], max_cluster: u64) -> Result<BlobMd
                         if c != 0 && u64::from(c) + u64::from(n) > max_cluster {
                             return Err(bad(format!("extent {c}+{n} beyond the store")));
                         }
-                        if clusters.len() + n as usize > max_cluster as usize {
+                        if clusters.len() as u64 + u64::from(n) > MAX_VOL_CLUSTERS {
                             return Err(bad("volume larger than the store".into()));
                         }
                         for i in 0..n {

@@ -23,6 +23,7 @@ use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS, SPDK_SIGNATURE};
 /// Default cluster size (SPDK's): 4 MiB.
 pub const DEFAULT_CLUSTER_SIZE: u32 = 4 << 20;
 const PAGE: u64 = PAGE_SIZE as u64;
+pub use crate::md::MAX_VOL_CLUSTERS;
 /// Pages read per request when scanning the metadata region.
 const SCAN_CHUNK: u64 = 256;
 /// Largest zero buffer used to emulate write-zeroes.
@@ -970,7 +971,7 @@ impl LvStore {
                 return Err(LvolError::Exists(u.to_string()));
             }
         }
-        if n > st.sb.num_clusters {
+        if n > MAX_VOL_CLUSTERS {
             return Err(LvolError::NoSpace {
                 needed: n,
                 free: st.free_clusters(),
@@ -1078,7 +1079,7 @@ impl LvStore {
                     free: st.free_clusters(),
                 });
             }
-            if n as u64 > st.sb.num_clusters {
+            if n as u64 > MAX_VOL_CLUSTERS {
                 return Err(LvolError::NoSpace {
                     needed: n as u64,
                     free: st.free_clusters(),

@@ -54,6 +54,12 @@ fn create_write_reopen() {
         lvs.create_lvol("big", 100 << 20, false),
         Err(LvolError::NoSpace { .. })
     ));
+    // Thin volumes may be overprovisioned, as in SPDK.
+    let over = lvs.create_lvol("over", 100 << 20, true).unwrap();
+    write(&*over, (100 << 20) - 4096, &a[..4096]);
+    assert_eq!(read(&*over, (100 << 20) - 4096, 4096), &a[..4096]);
+    drop(over);
+    lvs.delete("over").unwrap();
 }
 
 #[test]
