@@ -460,10 +460,10 @@ impl LvolChannel {
                 break;
             }
         }
-        if !self.deferred.is_empty() && !self.vol.frozen.load(Ordering::SeqCst) {
+        if !self.deferred.is_empty() && self.vol.frozen.load(Ordering::SeqCst) == 0 {
             while let Some(s) = self.deferred.pop_front() {
                 self.vol.inflight.fetch_add(1, Ordering::SeqCst);
-                if self.vol.frozen.load(Ordering::SeqCst) {
+                if self.vol.frozen.load(Ordering::SeqCst) != 0 {
                     self.vol.inflight.fetch_sub(1, Ordering::SeqCst);
                     self.deferred.push_front(s);
                     break;
@@ -542,7 +542,7 @@ impl IoChannel for LvolChannel {
             sl.outstanding = 0;
         }
         self.vol.inflight.fetch_add(1, Ordering::SeqCst);
-        if self.vol.frozen.load(Ordering::SeqCst) {
+        if self.vol.frozen.load(Ordering::SeqCst) != 0 {
             self.vol.inflight.fetch_sub(1, Ordering::SeqCst);
             self.deferred.push_back(s);
             return Ok(());

@@ -1,6 +1,6 @@
 //! A logical volume: a [`BlockDevice`] whose clusters are mapped onto the store's device.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
@@ -67,7 +67,8 @@ pub struct Lvol {
     pub(crate) id: u64,
     pub(crate) uuid: Uuid,
     pub(crate) state: RwLock<VolState>,
-    pub(crate) frozen: AtomicBool,
+    /// Number of operations that froze the volume (new I/O is deferred while non-zero).
+    pub(crate) frozen: AtomicU32,
     pub(crate) inflight: AtomicU64,
 }
 
@@ -141,7 +142,7 @@ impl Lvol {
 
     /// Stops new I/O and waits for in-flight I/O to drain.
     pub(crate) fn freeze(self: &Arc<Self>) -> Result<Frozen> {
-        self.frozen.store(true, Ordering::SeqCst);
+        self.frozen.fetch_add(1, Ordering::SeqCst);
         let guard = Frozen(self.clone());
         let start = Instant::now();
         while self.inflight.load(Ordering::SeqCst) != 0 {
@@ -159,7 +160,7 @@ pub(crate) struct Frozen(Arc<Lvol>);
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        self.0.frozen.store(false, Ordering::SeqCst);
+        self.0.frozen.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -500,7 +500,7 @@ impl MdState {
                 read_only: false,
                 deleted: false,
             }),
-            frozen: AtomicBool::new(false),
+            frozen: std::sync::atomic::AtomicU32::new(0),
             inflight: AtomicU64::new(0),
         });
         self.vols.insert(id, v.clone());

@@ -335,3 +335,122 @@ fn snapshot_and_delete_under_io() {
     }
     assert_eq!(lvs.list().len(), 1);
 }
+
+#[test]
+fn asynchronous_backing_device() {
+    let dev: Arc<dyn BlockDevice> = Arc::new(AsyncDev {
+        inner: FaultDev::new(8 << 20),
+    });
+    let lvs = store(dev.clone());
+    let v = lvs.create_lvol("thin", 8 * CS, true).unwrap();
+    let mut ch = v.open_channel(16, 4).unwrap();
+    let fd = ch.notify_fd().unwrap();
+    let bufs: Vec<Vec<u8>> = (0..16).map(|i| pattern(500 + i, 8192)).collect();
+    let iovs: Vec<[iovec; 1]> = bufs.iter().map(|b| [iov(b)]).collect();
+    for (i, io) in iovs.iter().enumerate() {
+        // SAFETY: buffers outlive the completions drained below.
+        unsafe {
+            ch.submit(&IoRequest {
+                op: IoOp::Write,
+                offset: (i as u64 * 30) << 10,
+                len: 8192,
+                iov: io,
+                token: i as u64,
+            })
+            .unwrap()
+        };
+    }
+    ch.commit().unwrap();
+    // Drive the channel the way a vhost worker does: block on the notify fd, clear, poll.
+    let mut done = Vec::new();
+    let start = Instant::now();
+    while done.len() < 16 {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        ch.clear_notify();
+        ch.poll(&mut done);
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "stuck: {}",
+            done.len()
+        );
+    }
+    assert!(done.iter().all(|c| c.result == Ok(8192)));
+    assert_eq!(ch.in_flight(), 0);
+    drop(ch);
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(&read(&*v, (i as u64 * 30) << 10, 8192), b);
+    }
+    // SyncIo (poll + wait) on the same kind of device, thick and thin, with a snapshot.
+    let mut io = SyncIo::new(&*v).unwrap();
+    io.write_at(7 * CS, &pattern(9, 4096)).unwrap();
+    io.flush().unwrap();
+    drop(io);
+    lvs.snapshot("thin", "s").unwrap();
+    write(&*v, 7 * CS + 4096, &pattern(10, 4096));
+    assert_eq!(read(&*v, 7 * CS, 4096), pattern(9, 4096));
+    assert_eq!(read(&*v, 7 * CS + 4096, 4096), pattern(10, 4096));
+}
+
+#[test]
+fn concurrent_admin_operations() {
+    let dev = FaultDev::new(32 << 20);
+    let lvs = Arc::new(store(dev.arc()));
+    for i in 0..4 {
+        lvs.create_lvol(&format!("v{i}"), 4 * CS, i % 2 == 0).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for t in 0..4u64 {
+        let (lvs, stop) = (lvs.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                n += 1;
+                let name = format!("v{t}");
+                match n % 6 {
+                    0 => {
+                        let _ = lvs.snapshot(&name, &format!("s{t}-{n}"));
+                    }
+                    1 => {
+                        // Delete the snapshot just taken (merge), if any.
+                        if let Some(s) = lvs
+                            .list()
+                            .into_iter()
+                            .find(|l| l.name.starts_with(&format!("s{t}-")))
+                        {
+                            lvs.delete(&s.name).unwrap();
+                        }
+                    }
+                    2 => lvs.resize(&name, (2 + n % 4) * CS).unwrap(),
+                    _ => {
+                        let v = lvs.lvol(&name).unwrap();
+                        let size = v.size_bytes();
+                        let mut io = SyncIo::new(&*v).unwrap();
+                        let off = (n * 4096 * 5) % size;
+                        // The size may shrink under us: refusals are fine, corruption is not.
+                        let _ = io.write_at(off, &pattern(n, 4096));
+                    }
+                }
+            }
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let before: Vec<_> = lvs.list();
+    let info = lvs.info();
+    let alloc: u64 = before.iter().map(|l| l.num_allocated_clusters).sum();
+    assert_eq!(alloc + info.free_clusters, info.total_data_clusters);
+    let lvs = Arc::into_inner(lvs).unwrap();
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    assert_eq!(lvs.list(), before);
+}

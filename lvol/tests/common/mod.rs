@@ -291,3 +291,179 @@ pub fn write(dev: &dyn BlockDevice, off: u64, data: &[u8]) {
     let mut io = SyncIo::new(dev).unwrap();
     io.write_at(off, data).unwrap();
 }
+
+/// A device whose requests complete later, on another thread, signalled through an eventfd
+/// (like an io_uring device).
+pub struct AsyncDev {
+    pub inner: FaultDev,
+}
+
+struct Job {
+    op: IoOp,
+    offset: u64,
+    len: u64,
+    iov: Vec<(usize, usize)>,
+    token: u64,
+}
+
+struct AsyncShared {
+    done: Mutex<Vec<Completion>>,
+    efd: std::os::fd::OwnedFd,
+}
+
+pub struct AsyncChan {
+    tx: Option<std::sync::mpsc::Sender<Job>>,
+    queued: Vec<Job>,
+    shared: Arc<AsyncShared>,
+    in_flight: usize,
+    depth: usize,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BlockDevice for AsyncDev {
+    fn info(&self) -> DeviceInfo {
+        self.inner.info()
+    }
+
+    fn open_channel(&self, depth: usize, segs: usize) -> Result<Box<dyn IoChannel>, BdevError> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain system call; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        let shared = Arc::new(AsyncShared {
+            done: Mutex::new(Vec::new()),
+            // SAFETY: fresh descriptor owned by nobody else.
+            efd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+        });
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let mut inner = self.inner.open_channel(depth, segs)?;
+        let sh = shared.clone();
+        let thread = std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            let mut out = Vec::new();
+            while let Ok(j) = rx.recv() {
+                std::thread::sleep(Duration::from_micros(50));
+                let iov: Vec<katablk_bdev::iovec> = j
+                    .iov
+                    .iter()
+                    .map(|&(b, l)| katablk_bdev::iovec {
+                        iov_base: b as *mut libc::c_void,
+                        iov_len: l,
+                    })
+                    .collect();
+                let req = IoRequest {
+                    op: j.op,
+                    offset: j.offset,
+                    len: j.len,
+                    iov: &iov,
+                    token: j.token,
+                };
+                // SAFETY: the submitter keeps the buffers valid until the completion is polled.
+                let r = unsafe { inner.submit(&req) };
+                out.clear();
+                inner.poll(&mut out);
+                let c = match r {
+                    Ok(()) => out[0],
+                    Err(e) => Completion {
+                        token: j.token,
+                        result: Err(e.into()),
+                    },
+                };
+                sh.done.lock().unwrap().push(c);
+                let one: u64 = 1;
+                // SAFETY: 8-byte write to our eventfd.
+                unsafe { libc::write(sh.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            }
+        });
+        Ok(Box::new(AsyncChan {
+            tx: Some(tx),
+            queued: Vec::new(),
+            shared,
+            in_flight: 0,
+            depth: depth.max(1),
+            thread: Some(thread),
+        }))
+    }
+
+    fn describe(&self) -> String {
+        "asyncdev".into()
+    }
+}
+
+impl IoChannel for AsyncChan {
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
+        if self.in_flight >= self.depth {
+            return Err(SubmitError::Full);
+        }
+        self.in_flight += 1;
+        self.queued.push(Job {
+            op: req.op,
+            offset: req.offset,
+            len: req.len,
+            iov: req
+                .iov
+                .iter()
+                .map(|v| (v.iov_base as usize, v.iov_len))
+                .collect(),
+            token: req.token,
+        });
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BdevError> {
+        for j in self.queued.drain(..) {
+            self.tx.as_ref().unwrap().send(j).unwrap();
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        let mut d = self.shared.done.lock().unwrap();
+        let n = d.len();
+        out.append(&mut d);
+        self.in_flight -= n;
+        n
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<(), BdevError> {
+        use std::os::fd::AsRawFd;
+        if !self.shared.done.lock().unwrap().is_empty() || self.in_flight == 0 {
+            return Ok(());
+        }
+        let mut pfd = libc::pollfd {
+            fd: self.shared.efd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.map(|t| t.as_millis() as i32).unwrap_or(-1);
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+        self.clear_notify();
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.shared.efd.as_raw_fd())
+    }
+
+    fn clear_notify(&mut self) {
+        use std::os::fd::AsRawFd;
+        let mut v: u64 = 0;
+        // SAFETY: 8-byte read from our non-blocking eventfd.
+        unsafe { libc::read(self.shared.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+impl Drop for AsyncChan {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
