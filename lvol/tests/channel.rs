@@ -402,7 +402,8 @@ fn concurrent_admin_operations() {
     let dev = FaultDev::new(32 << 20);
     let lvs = Arc::new(store(dev.arc()));
     for i in 0..4 {
-        lvs.create_lvol(&format!("v{i}"), 4 * CS, i % 2 == 0).unwrap();
+        lvs.create_lvol(&format!("v{i}"), 4 * CS, i % 2 == 0)
+            .unwrap();
     }
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
