@@ -420,6 +420,10 @@ impl LvolChannel {
             let bdone = std::mem::take(&mut self.bdone);
             for c in &bdone {
                 let s = c.token as u32;
+                if c.token >= self.slots.len() as u64 || self.slots[s as usize].outstanding == 0 {
+                    tracing::error!("backing device returned unknown token {}", c.token);
+                    continue;
+                }
                 if let Err(e) = c.result {
                     self.fail(s, e);
                 }

@@ -24,6 +24,18 @@
 //!
 //! The on-disk format and its crash-safety rules are described in `docs/FORMAT.md`.
 //!
+//! Usage notes:
+//!
+//! * [`LvStore`] is `Send + Sync` and serialises metadata operations internally; share it
+//!   with an `Arc`. Keep it alive while its volumes are served: it owns the worker thread that
+//!   allocates clusters for first writes to thin volumes (dropping it closes the store cleanly;
+//!   volume handles then still serve allocated clusters but fail allocating writes).
+//! * Volume lookups accept the name, the alias `<lvs>/<lvol>` or the UUID string.
+//! * Sizes are rounded up to whole clusters. Errors map to SPDK's errno values with
+//!   [`LvolError::errno`] (`EEXIST` duplicate, `ENOSPC` no space, `EPERM` snapshot with several
+//!   clones, `ENODEV` missing volume).
+//! * Open a device with at most one `LvStore` at a time (there is no on-disk lock).
+//!
 //! [`BlockDevice`]: katablk_bdev::BlockDevice
 
 #![deny(missing_docs)]

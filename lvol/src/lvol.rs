@@ -116,6 +116,13 @@ impl Lvol {
         self.st().map.len() as u64 * self.shared.cluster_size
     }
 
+    /// Reported properties (as [`crate::LvStore::lvol_info`]).
+    pub fn properties(&self) -> Result<LvolInfo> {
+        let st = self.shared.md();
+        let b = st.blob(self.id)?;
+        Ok(st.info_of_pub(b, &self.shared))
+    }
+
     /// The volume was deleted (I/O fails).
     pub fn is_deleted(&self) -> bool {
         self.st().deleted

@@ -555,6 +555,10 @@ impl MdState {
         self.blobs.values().any(|b| b.name == name)
     }
 
+    pub(crate) fn info_of_pub(&self, b: &BlobMd, shared: &Shared) -> LvolInfo {
+        self.info_of(b, shared)
+    }
+
     fn info_of(&self, b: &BlobMd, shared: &Shared) -> LvolInfo {
         let cs = self.cs();
         let clones: Vec<String> = self
@@ -811,6 +815,17 @@ impl LvStore {
             }
         }
         Ok(Self::start(shared))
+    }
+
+    /// Whether `dev` holds a katablk lvstore (a valid super block in either slot), without
+    /// opening it. Errors only when the device cannot be read.
+    pub fn probe(dev: &dyn BlockDevice) -> Result<bool> {
+        let mut io = SyncIo::new(dev)?;
+        match read_superblock(&mut io, dev.info().size_bytes()) {
+            Ok(_) => Ok(true),
+            Err(LvolError::Io(e)) => Err(LvolError::Io(e)),
+            Err(_) => Ok(false),
+        }
     }
 
     /// Closes the store: stops the allocation worker and detaches the volumes (their handles

@@ -84,7 +84,7 @@ fn md<T, E>(m: &mut Model, r: Result<T, E>) -> Result<T, Stop> {
     }
 }
 
-fn workload(lvs: &LvStore, m: &mut Model) -> Result<(), Stop> {
+fn workload(dev: &FaultDev, lvs: &LvStore, m: &mut Model) -> Result<(), Stop> {
     m.vols.insert("a".into(), VolM::new(4 * CS));
     m.vols.get_mut("a").unwrap().exists_certain = false;
     md(m, lvs.create_lvol("a", 4 * CS, false))?;
@@ -142,6 +142,9 @@ fn workload(lvs: &LvStore, m: &mut Model) -> Result<(), Stop> {
     m.vols.remove("sa");
     w(lvs, m, "a", 40, 10)?;
     flush(lvs, m, "a")?;
+    // The device grows; so does the store.
+    dev.resize(DEV + (1 << 20));
+    md(m, lvs.grow())?;
     m.vols.insert("t".into(), VolM::new(3 * CS));
     m.vols.get_mut("t").unwrap().exists_certain = false;
     md(m, lvs.create_lvol("t", 3 * CS, true))?;
@@ -214,7 +217,7 @@ fn fresh() -> (FaultDev, LvStore) {
 fn workload_without_crash() {
     let (dev, lvs) = fresh();
     let mut m = Model::default();
-    assert!(workload(&lvs, &mut m).is_ok());
+    assert!(workload(&dev, &lvs, &mut m).is_ok());
     verify(&lvs, &m, "live");
     drop(lvs);
     let lvs = LvStore::open(dev.arc()).unwrap();
@@ -226,7 +229,7 @@ fn crash_at_every_write() {
     let (dev, lvs) = fresh();
     let base = dev.writes();
     let mut m = Model::default();
-    assert!(workload(&lvs, &mut m).is_ok());
+    assert!(workload(&dev, &lvs, &mut m).is_ok());
     let total = dev.writes() - base;
     drop(lvs);
     let mut runs = 0;
@@ -235,7 +238,7 @@ fn crash_at_every_write() {
             let (dev, lvs) = fresh();
             dev.fail_after(n);
             let mut m = Model::default();
-            let _ = workload(&lvs, &mut m);
+            let _ = workload(&dev, &lvs, &mut m);
             drop(lvs);
             let img = dev.crash_image(mode);
             let ctx = format!("crash after write {n}/{total} ({mode:?})");

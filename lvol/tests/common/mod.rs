@@ -181,8 +181,21 @@ impl IoChannel for FaultChan {
             let len = req.len as usize;
             if req.op.is_write() {
                 s.writes += 1;
-                if s.fail_after.is_some_and(|n| s.writes > n) {
+                if !s.dead && s.fail_after.is_some_and(|n| s.writes > n) {
                     s.dead = true;
+                    // The write that hits the crash is torn: its first half of sectors may
+                    // reach the medium.
+                    if req.op == IoOp::Write && len >= 2 * BS {
+                        let mut data = Vec::with_capacity(len);
+                        for v in req.iov {
+                            // SAFETY: caller buffers valid per the submit contract.
+                            data.extend_from_slice(unsafe {
+                                std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len)
+                            });
+                        }
+                        data.truncate(len / BS / 2 * BS);
+                        s.pending.push(Pending { off, data });
+                    }
                 }
             }
             if s.dead {
