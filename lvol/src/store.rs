@@ -26,6 +26,8 @@ const PAGE: u64 = PAGE_SIZE as u64;
 pub use crate::md::MAX_VOL_CLUSTERS;
 /// Pages read per request when scanning the metadata region.
 const SCAN_CHUNK: u64 = 256;
+/// Most cluster allocations committed in one metadata transaction by the worker.
+const ALLOC_BATCH: usize = 32;
 /// Largest zero buffer used to emulate write-zeroes.
 const ZERO_CHUNK: usize = 1 << 20;
 
@@ -1434,7 +1436,10 @@ fn alloc_worker(shared: Arc<Shared>) {
             if q.closed {
                 return;
             }
-            std::mem::take(&mut q.queue)
+            // Bounded batches: one metadata commit amortised over many first writes, without
+            // making the first waiter wait for an unbounded number of cluster fills.
+            let n = q.queue.len().min(ALLOC_BATCH);
+            q.queue.drain(..n).collect()
         };
         let results = alloc_batch(&shared, &batch);
         let mut notes = Vec::new();
