@@ -26,6 +26,8 @@ const PAGE: u64 = PAGE_SIZE as u64;
 pub use crate::md::MAX_VOL_CLUSTERS;
 /// Pages read per request when scanning the metadata region.
 const SCAN_CHUNK: u64 = 256;
+/// Metadata pages only transactions that delete volumes may use.
+const MD_RESERVE: u64 = 4;
 /// Most cluster allocations committed in one metadata transaction by the worker.
 const ALLOC_BATCH: usize = 32;
 /// Largest zero buffer used to emulate write-zeroes.
@@ -40,7 +42,8 @@ pub struct LvsOptions {
     pub uuid: Option<Uuid>,
     /// Cluster size in bytes: a power of two, at least 4 KiB (default 4 MiB).
     pub cluster_size: u32,
-    /// Pages reserved for metadata; default one per cluster (at least 64), as SPDK.
+    /// Pages reserved for metadata; default one per 8 clusters, at least 64 (SPDK reserves one
+    /// per cluster, but it reads only the used ones on a clean load; katablk scans them all).
     pub md_pages: Option<u32>,
     /// How the data area is cleared at creation (SPDK's lvstore `clear_method`).
     pub clear_method: ClearMethod,
@@ -416,6 +419,16 @@ impl MdState {
                 s.md_used.clear(u64::from(*p));
             }
         };
+        // Keep a few pages back for deletions, so a full metadata region can always be
+        // relieved by deleting volumes.
+        let freed_after: usize = self.deferred_zero.len()
+            + updates
+                .iter()
+                .map(|b| self.pages.get(&b.id).map_or(0, |p| p.len()))
+                .sum::<usize>();
+        if deletes.is_empty() && self.md_used.count_clear() + (freed_after as u64) < MD_RESERVE {
+            failed = true;
+        }
         if failed {
             undo_pages(self, &placed);
             return Err(LvolError::MdFull(self.sb.md_len));
@@ -685,7 +698,9 @@ impl LvStore {
         let md_len = match opts.md_pages {
             Some(0) => return Err(LvolError::Invalid("md_pages must be positive".into())),
             Some(n) => n,
-            None => num_clusters.clamp(64, 1 << 20) as u32,
+            // One page per 8 clusters (at least 64): room for ~4 pages per volume and fully
+            // fragmented thin volumes, while keeping the open-time scan short.
+            None => (num_clusters / 8).clamp(64, 1 << 18) as u32,
         };
         let md_end = (u64::from(MD_START) + u64::from(md_len)) * PAGE;
         let first_data_cluster = md_end.div_ceil(u64::from(cs));

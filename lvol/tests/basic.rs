@@ -225,3 +225,29 @@ fn on_a_file() {
     assert_eq!(i.clones, vec!["thin0".to_string(), "clone0".to_string()]);
     assert_eq!(i.num_allocated_clusters, 4);
 }
+
+#[test]
+fn metadata_region_full() {
+    let dev = FaultDev::new(8 << 20);
+    let mut o = opts();
+    o.md_pages = Some(8);
+    let lvs = LvStore::create(dev.arc(), o).unwrap();
+    let mut made = 0;
+    let err = loop {
+        match lvs.create_lvol(&format!("v{made}"), u64::from(CS), true) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made < 100);
+    };
+    assert!(matches!(err, LvolError::MdFull(8)), "{err}");
+    assert_eq!(err.errno(), libc::ENOSPC);
+    assert_eq!(made, 4);
+    // Still consistent: delete one, create again, reopen.
+    lvs.delete("v0").unwrap();
+    lvs.create_lvol("again", u64::from(CS), false).unwrap();
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    assert_eq!(lvs.list().len(), made);
+    assert_eq!(lvs.info().free_md_pages as usize, 8 - made);
+}
