@@ -18,7 +18,7 @@ use crate::md::{
     build_page, decode_blob, encode_blob, parse_page, BlobMd, ClearMethod, PageHdr, PageState,
     NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE,
 };
-use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS, SPDK_SIGNATURE};
+use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS};
 
 /// Default cluster size (SPDK's): 4 MiB.
 pub const DEFAULT_CLUSTER_SIZE: u32 = 4 << 20;
@@ -641,10 +641,8 @@ fn read_superblock(io: &mut SyncIo, dev_size: u64) -> Result<SuperBlock> {
 }
 
 fn describe_foreign(p0: &[u8]) -> String {
-    if &p0[0..8] == SPDK_SIGNATURE {
-        return "found an SPDK blobstore super block (SPDKBLOB); katablk's on-disk format is \
-                modelled on it but not byte compatible"
-            .into();
+    if let Some(d) = crate::superblock::describe_spdk(p0) {
+        return d;
     }
     if p0.len() >= 1082 && p0[1080] == 0x53 && p0[1081] == 0xef {
         return "device holds an ext2/3/4 file system".into();

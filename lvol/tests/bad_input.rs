@@ -160,8 +160,21 @@ fn foreign_data() {
     // A real SPDK blobstore signature.
     let mut img = vec![0u8; DEV];
     img[..8].copy_from_slice(b"SPDKBLOB");
+    img[8..12].copy_from_slice(&3u32.to_le_bytes());
+    img[28..32].copy_from_slice(&(4u32 << 20).to_le_bytes());
+    img[56..65].copy_from_slice(b"LVOLSTORE");
+    let c = crc32c::crc32c(&img[..4092]);
+    img[4092..4096].copy_from_slice(&c.to_le_bytes());
     let e = open(&FaultDev::from_image(img)).unwrap_err();
-    assert!(e.to_string().contains("SPDK"), "{e}");
+    let m = e.to_string();
+    assert!(
+        m.contains("SPDK blobstore")
+            && m.contains("version 3")
+            && m.contains("4194304")
+            && m.contains("LVOLSTORE")
+            && m.contains("checksum valid"),
+        "{m}"
+    );
 }
 
 #[test]
