@@ -144,6 +144,8 @@ pub(crate) struct MdState {
     deferred_zero: Vec<u32>,
     /// A metadata write failed in a way that could not be undone: refuse further updates.
     poisoned: bool,
+    /// The store was closed (marked clean): refuse further updates.
+    closed: bool,
     md_hint: u64,
     cluster_hint: u64,
     bounce: Vec<u8>,
@@ -188,10 +190,6 @@ impl Shared {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn vol_arc(&self, id: u64) -> Option<Arc<Lvol>> {
-        self.md().vols.get(&id).cloned()
-    }
-
     /// Queues the allocation of logical cluster `c` of `vol`; the waiter is told when done. The
     /// caller holds `vol`'s state read lock and saw the cluster unallocated, so the worker
     /// cannot have published it yet.
@@ -223,6 +221,9 @@ impl MdState {
     }
 
     fn check_ok(&self) -> Result<()> {
+        if self.closed {
+            return Err(LvolError::Closed);
+        }
         if self.poisoned {
             return Err(LvolError::CorruptMetadata(
                 "an earlier metadata write failed; reopen the store".into(),
@@ -504,7 +505,8 @@ impl MdState {
     /// Registers a live handle for a new blob.
     pub(crate) fn add_vol(&mut self, shared: &Arc<Shared>, id: u64) -> Arc<Lvol> {
         let uuid = self.blobs.get(&id).map(|b| b.uuid).unwrap_or_default();
-        let v = Arc::new(Lvol {
+        let v = Arc::new_cyclic(|me| Lvol {
+            me: me.clone(),
             shared: shared.clone(),
             id,
             uuid,
@@ -775,6 +777,7 @@ impl LvStore {
             next_id: 0,
             deferred_zero: Vec::new(),
             poisoned: false,
+            closed: false,
             md_hint: 0,
             bounce: Vec::new(),
             write_zeroes: info.write_zeroes,
@@ -869,15 +872,20 @@ impl LvStore {
                 tracing::warn!("lvstore {}: marking clean shutdown: {e}", st.sb.name);
             }
         }
-        for v in st.vols.values() {
-            v.st_mut().parent = None;
-        }
+        st.closed = true;
+        // Handles kept by users keep serving allocated clusters (parent links stay, so clones
+        // still read through); only the store's own references are dropped.
         st.vols.clear();
     }
 
     /// Destroys the store: every volume is detached and the super block and metadata are
     /// erased, so the device no longer opens as a store.
     pub fn destroy(self) -> Result<()> {
+        let vols: Vec<Arc<Lvol>> = self.shared.md().vols.values().cloned().collect();
+        for v in &vols {
+            let _ = v.freeze();
+            v.st_mut().deleted = true;
+        }
         self.close();
         let mut st = self.shared.md();
         st.poisoned = true;

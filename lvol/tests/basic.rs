@@ -251,3 +251,32 @@ fn metadata_region_full() {
     assert_eq!(lvs.list().len(), made);
     assert_eq!(lvs.info().free_md_pages as usize, 8 - made);
 }
+
+#[test]
+fn handles_after_close_and_destroy() {
+    let dev = FaultDev::new(8 << 20);
+    let lvs = LvStore::create(dev.arc(), opts()).unwrap();
+    let v = lvs.create_lvol("v", 4 * u64::from(CS), true).unwrap();
+    write(&*v, 0, &pattern(1, 4096));
+    lvs.snapshot("v", "s").unwrap();
+    lvs.close();
+    // Metadata changes are refused once closed (the super block says clean).
+    assert!(matches!(
+        lvs.create_lvol("x", 4096, true),
+        Err(LvolError::Closed)
+    ));
+    // The clone still reads through its snapshot; allocating writes fail.
+    let mut io = SyncIo::new(&*v).unwrap();
+    let mut b = vec![0u8; 4096];
+    io.read_at(0, &mut b).unwrap();
+    assert_eq!(b, pattern(1, 4096));
+    assert!(io.write_at(0, &b).is_err());
+    drop(io);
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    let v = lvs.lvol("v").unwrap();
+    lvs.destroy().unwrap();
+    assert!(v.is_deleted());
+    let mut io = SyncIo::new(&*v);
+    assert!(io.is_err() || io.as_mut().unwrap().read_at(0, &mut b).is_err());
+}
