@@ -280,3 +280,26 @@ fn handles_after_close_and_destroy() {
     let mut io = SyncIo::new(&*v);
     assert!(io.is_err() || io.as_mut().unwrap().read_at(0, &mut b).is_err());
 }
+
+#[test]
+fn block_size_4096() {
+    let dev: Arc<dyn BlockDevice> =
+        Arc::new(katablk_bdev::malloc::MallocDevice::new((32 << 20) / 4096, 4096).unwrap());
+    let mut o = opts();
+    o.cluster_size = 1 << 20;
+    let lvs = LvStore::create(dev.clone(), o).unwrap();
+    assert_eq!(lvs.info().block_size, 4096);
+    let v = lvs.create_lvol("v", 4 << 20, true).unwrap();
+    assert_eq!(v.info().block_size, 4096);
+    assert_eq!(v.info().num_blocks, 1024);
+    let a = pattern(3, 12288);
+    write(&*v, (1 << 20) - 4096, &a);
+    let mut io = SyncIo::new(&*v).unwrap();
+    let mut b = vec![0u8; 512];
+    assert!(io.read_at(0, &mut b).is_err(), "512-byte read on a 4096-byte volume");
+    drop(io);
+    drop(v);
+    drop(lvs);
+    let lvs = LvStore::open(dev).unwrap();
+    assert_eq!(read(&*lvs.lvol("v").unwrap(), (1 << 20) - 4096, 12288), a);
+}
