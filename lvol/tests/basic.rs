@@ -296,7 +296,10 @@ fn block_size_4096() {
     write(&*v, (1 << 20) - 4096, &a);
     let mut io = SyncIo::new(&*v).unwrap();
     let mut b = vec![0u8; 512];
-    assert!(io.read_at(0, &mut b).is_err(), "512-byte read on a 4096-byte volume");
+    assert!(
+        io.read_at(0, &mut b).is_err(),
+        "512-byte read on a 4096-byte volume"
+    );
     drop(io);
     drop(v);
     drop(lvs);
