@@ -306,3 +306,44 @@ fn block_size_4096() {
     let lvs = LvStore::open(dev).unwrap();
     assert_eq!(read(&*lvs.lvol("v").unwrap(), (1 << 20) - 4096, 12288), a);
 }
+
+#[test]
+fn inflate_in_chunks() {
+    let dev = FaultDev::new(16 << 20);
+    let lvs = LvStore::create(dev.arc(), opts()).unwrap();
+    let v = lvs.create_lvol("v", 40 * u64::from(CS), true).unwrap();
+    for c in (0..40u64).step_by(3) {
+        write(&*v, c * u64::from(CS) + 512, &pattern(c + 1, 4096));
+    }
+    lvs.snapshot("v", "s").unwrap();
+    let c1 = lvs.clone("s", "c1").unwrap();
+    let c2 = lvs.clone("s", "c2").unwrap();
+    write(&*c1, 5 * u64::from(CS), &pattern(99, 4096));
+    lvs.inflate("c1").unwrap();
+    lvs.decouple_parent("c2").unwrap();
+    let i1 = lvs.lvol_info("c1").unwrap();
+    assert!(!i1.thin && !i1.clone && i1.num_allocated_clusters == 40);
+    let i2 = lvs.lvol_info("c2").unwrap();
+    assert!(i2.thin && !i2.clone && i2.num_allocated_clusters == 14);
+    drop((c1, c2));
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    let c1 = lvs.lvol("c1").unwrap();
+    let c2 = lvs.lvol("c2").unwrap();
+    let cs = u64::from(CS);
+    for c in 0..40u64 {
+        let want = if c % 3 == 0 {
+            pattern(c + 1, 4096)
+        } else {
+            vec![0; 4096]
+        };
+        let off = c * cs + 512;
+        if c == 5 {
+            assert_eq!(read(&*c1, 5 * cs, 4096), pattern(99, 4096));
+        } else {
+            assert_eq!(read(&*c1, off, 4096), want, "c1 cluster {c}");
+        }
+        assert_eq!(read(&*c2, off, 4096), want, "c2 cluster {c}");
+    }
+    drop(v);
+}

@@ -437,7 +437,7 @@ fn random_workload(
 }
 
 proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig { cases: 40, ..Default::default() })]
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 32, ..Default::default() })]
 
     #[test]
     fn random_workload_crash(
