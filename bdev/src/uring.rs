@@ -470,7 +470,7 @@ impl IoChannel for UringChannel {
         if self.in_flight >= self.slots.len() {
             return Err(SubmitError::Full);
         }
-        validate(&self.inner.info, req, self.max_segments)?;
+        validate(&self.inner.info(), req, self.max_segments)?;
         let kind = match req.op {
             IoOp::Read | IoOp::Write if req.len == 0 => {
                 self.complete_now(req.token, Ok(0));

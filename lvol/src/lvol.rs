@@ -110,7 +110,7 @@ impl Lvol {
 
     /// `<lvs>/<lvol>`.
     pub fn alias(&self) -> String {
-        format!("{}/{}", self.shared.name, self.name())
+        format!("{}/{}", self.shared.name(), self.name())
     }
 
     /// Size in bytes.

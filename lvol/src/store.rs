@@ -111,11 +111,19 @@ pub(crate) enum AllocReq {
     Closed,
 }
 
+impl Shared {
+    /// The store's current name.
+    pub(crate) fn name(&self) -> String {
+        self.name.read().map(|n| n.clone()).unwrap_or_default()
+    }
+}
+
 /// State shared by the store, its volumes, their channels and the allocation worker.
 pub(crate) struct Shared {
     pub(crate) dev: Arc<dyn BlockDevice>,
     pub(crate) cluster_size: u64,
-    pub(crate) name: String,
+    /// Store name (changed by [`LvStore::rename`]).
+    name: std::sync::RwLock<String>,
     pub(crate) uuid: Uuid,
     md: Mutex<MdState>,
     alloc: Mutex<AllocQueue>,
@@ -157,7 +165,7 @@ pub struct LvStore {
 impl std::fmt::Debug for LvStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LvStore")
-            .field("name", &self.shared.name)
+            .field("name", &self.shared.name())
             .field("uuid", &self.shared.uuid)
             .finish()
     }
@@ -582,8 +590,8 @@ impl MdState {
         LvolInfo {
             name: b.name.clone(),
             uuid: b.uuid,
-            alias: format!("{}/{}", shared.name, b.name),
-            lvs_name: shared.name.clone(),
+            alias: format!("{}/{}", shared.name(), b.name),
+            lvs_name: shared.name(),
             lvs_uuid: shared.uuid,
             size_bytes: b.clusters.len() as u64 * cs,
             block_size: bs,
@@ -654,7 +662,7 @@ impl LvStore {
     fn start(shared: Arc<Shared>) -> LvStore {
         let s2 = shared.clone();
         let handle = std::thread::Builder::new()
-            .name(format!("lvs-{}-alloc", shared.name))
+            .name(format!("lvs-{}-alloc", shared.name()))
             .spawn(move || crate::alloc::alloc_worker(s2))
             .ok();
         if handle.is_none() {
@@ -778,7 +786,7 @@ impl LvStore {
         Arc::new(Shared {
             dev,
             cluster_size: u64::from(sb.cluster_size),
-            name: sb.name.clone(),
+            name: std::sync::RwLock::new(sb.name.clone()),
             uuid: sb.uuid,
             md: Mutex::new(st),
             alloc: Mutex::new(AllocQueue::default()),
@@ -891,7 +899,7 @@ impl LvStore {
         let st = self.shared.md();
         let cs = st.cs();
         LvsInfo {
-            name: self.shared.name.clone(),
+            name: self.shared.name(),
             uuid: self.shared.uuid,
             cluster_size: cs,
             block_size: st.sb.block_size,
@@ -904,8 +912,27 @@ impl LvStore {
     }
 
     /// Store name.
-    pub fn name(&self) -> &str {
-        &self.shared.name
+    pub fn name(&self) -> String {
+        self.shared.name()
+    }
+
+    /// Renames the store (SPDK's `bdev_lvol_rename_lvstore`); volume aliases follow.
+    pub fn rename_store(&self, new_name: &str) -> Result<()> {
+        if new_name.is_empty() || new_name.len() > 63 || new_name.contains('/') {
+            return Err(LvolError::Invalid(format!(
+                "lvstore name {new_name:?} must be 1 to 63 bytes without '/'"
+            )));
+        }
+        let mut st = self.shared.md();
+        st.check_ok()?;
+        let mut sb = st.sb.clone();
+        sb.name = new_name.to_string();
+        sb.validate()?;
+        st.write_sb(sb)?;
+        if let Ok(mut n) = self.shared.name.write() {
+            *n = new_name.to_string();
+        }
+        Ok(())
     }
 
     /// Store UUID.

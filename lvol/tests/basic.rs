@@ -347,3 +347,23 @@ fn inflate_in_chunks() {
     }
     drop(v);
 }
+
+#[test]
+fn rename_store_persists_and_aliases_follow() {
+    use katablk_bdev::malloc::MallocDevice;
+    use katablk_lvol::{LvStore, LvsOptions};
+    use std::sync::Arc;
+    let dev: Arc<dyn katablk_bdev::BlockDevice> = Arc::new(MallocDevice::new(65536, 512).unwrap());
+    let lvs = LvStore::create(dev.clone(), LvsOptions::new("old")).unwrap();
+    lvs.create_lvol("v", 4 << 20, true).unwrap();
+    lvs.rename_store("new").unwrap();
+    assert_eq!(lvs.name(), "new");
+    assert_eq!(lvs.list()[0].alias, "new/v");
+    assert!(lvs.lvol("new/v").is_ok());
+    assert!(lvs.rename_store("").is_err());
+    assert!(lvs.rename_store("a/b").is_err());
+    drop(lvs);
+    let lvs = LvStore::open(dev).unwrap();
+    assert_eq!(lvs.name(), "new");
+    assert_eq!(lvs.lvol("new/v").unwrap().alias(), "new/v");
+}
