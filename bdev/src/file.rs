@@ -101,8 +101,8 @@ pub(crate) struct FileInner {
     pub(crate) file: File,
     pub(crate) path: PathBuf,
     pub(crate) is_blockdev: bool,
-    /// The file lives in memory (tmpfs, ramfs): every request completes without blocking, so
-    /// inline system calls beat io_uring (which punts tmpfs I/O to its worker threads).
+    /// The file lives in memory (tmpfs, ramfs): requests never block, so small ones are done
+    /// inline (io_uring would punt tmpfs I/O to its worker threads).
     pub(crate) memory_backed: bool,
     info: DeviceInfo,
     /// Current capacity in blocks (changed by [`BlockDevice::rescan`]).
@@ -245,7 +245,6 @@ impl FileDevice {
     /// probe succeeds and to [`IoMode::ThreadPool`] otherwise; other modes are returned as is.
     pub fn effective_mode(&self) -> IoMode {
         match self.mode {
-            IoMode::Auto if self.inner.memory_backed => IoMode::Inline,
             IoMode::Auto if self.uring_support().is_ok() => IoMode::IoUring,
             IoMode::Auto => IoMode::ThreadPool,
             m => m,
@@ -492,11 +491,6 @@ impl BlockDevice for FileDevice {
                 depth,
                 max_segments,
             )?)),
-            IoMode::Auto if self.inner.memory_backed => Ok(Box::new(InlineChannel::new(
-                self.inner.clone(),
-                depth,
-                max_segments,
-            ))),
             IoMode::Auto => {
                 if self.uring_support().is_ok() {
                     match self.open_uring(depth, max_segments) {
@@ -609,7 +603,7 @@ mod memfs_tests {
     use super::*;
 
     #[test]
-    fn auto_uses_inline_calls_on_tmpfs() {
+    fn tmpfs_files_are_detected() {
         if !std::path::Path::new("/dev/shm").is_dir() {
             eprintln!("skipped: no /dev/shm");
             return;
@@ -617,7 +611,8 @@ mod memfs_tests {
         let f = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
         f.as_file().set_len(1 << 20).unwrap();
         let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
-        assert_eq!(dev.effective_mode(), IoMode::Inline);
+        assert_eq!(dev.effective_mode(), IoMode::IoUring);
+        assert!(dev.inner.memory_backed);
         let mut io = crate::sync::SyncIo::new(&dev).unwrap();
         io.write_at(0, &[7u8; 4096]).unwrap();
         let mut b = [0u8; 4096];
