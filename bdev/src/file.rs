@@ -101,10 +101,12 @@ pub(crate) struct FileInner {
     pub(crate) file: File,
     pub(crate) path: PathBuf,
     pub(crate) is_blockdev: bool,
-    /// The file lives in memory (tmpfs, ramfs): every request completes without blocking, so
-    /// inline system calls beat io_uring (which punts tmpfs I/O to its worker threads).
+    /// The file lives in memory (tmpfs, ramfs): requests never block, so small ones are done
+    /// inline (io_uring would punt tmpfs I/O to its worker threads).
     pub(crate) memory_backed: bool,
-    pub(crate) info: DeviceInfo,
+    info: DeviceInfo,
+    /// Current capacity in blocks (changed by [`BlockDevice::rescan`]).
+    num_blocks: std::sync::atomic::AtomicU64,
 }
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -221,6 +223,7 @@ impl FileDevice {
                 path: path.to_path_buf(),
                 is_blockdev,
                 memory_backed,
+                num_blocks: std::sync::atomic::AtomicU64::new(info.num_blocks),
                 info,
             }),
             mode: opts.mode,
@@ -242,7 +245,6 @@ impl FileDevice {
     /// probe succeeds and to [`IoMode::ThreadPool`] otherwise; other modes are returned as is.
     pub fn effective_mode(&self) -> IoMode {
         match self.mode {
-            IoMode::Auto if self.inner.memory_backed => IoMode::Inline,
             IoMode::Auto if self.uring_support().is_ok() => IoMode::IoUring,
             IoMode::Auto => IoMode::ThreadPool,
             m => m,
@@ -274,6 +276,34 @@ impl FileDevice {
 }
 
 impl FileInner {
+    /// Current properties.
+    pub(crate) fn info(&self) -> DeviceInfo {
+        let mut i = self.info.clone();
+        i.num_blocks = self.num_blocks.load(std::sync::atomic::Ordering::Relaxed);
+        i
+    }
+
+    /// Re-reads the size of the file or device.
+    fn rescan(&self) -> Result<DeviceInfo, BdevError> {
+        let size = if self.is_blockdev {
+            ioctl_u64(self.fd(), BLKGETSIZE64).map_err(|e| BdevError::io("BLKGETSIZE64", e))?
+        } else {
+            self.file
+                .metadata()
+                .map_err(|e| BdevError::io("fstat", e))?
+                .len()
+        };
+        let blocks = size / u64::from(self.info.block_size);
+        if blocks == 0 {
+            return Err(BdevError::Invalid(format!(
+                "{} is now smaller than one block",
+                self.path.display()
+            )));
+        }
+        self.num_blocks
+            .store(blocks, std::sync::atomic::Ordering::Relaxed);
+        Ok(self.info())
+    }
     pub(crate) fn fd(&self) -> RawFd {
         self.file.as_raw_fd()
     }
@@ -430,7 +460,7 @@ pub(crate) unsafe fn zero_iovecs(iov: &[crate::iovec], skip: usize) {
 
 impl InlineExec for FileInner {
     fn info(&self) -> DeviceInfo {
-        self.info.clone()
+        FileInner::info(self)
     }
 
     unsafe fn exec(&self, req: &IoRequest<'_>) -> Result<u64, IoError> {
@@ -441,7 +471,7 @@ impl InlineExec for FileInner {
 
 impl BlockDevice for FileDevice {
     fn info(&self) -> DeviceInfo {
-        self.inner.info.clone()
+        self.inner.info()
     }
 
     fn open_channel(
@@ -461,11 +491,6 @@ impl BlockDevice for FileDevice {
                 depth,
                 max_segments,
             )?)),
-            IoMode::Auto if self.inner.memory_backed => Ok(Box::new(InlineChannel::new(
-                self.inner.clone(),
-                depth,
-                max_segments,
-            ))),
             IoMode::Auto => {
                 if self.uring_support().is_ok() {
                     match self.open_uring(depth, max_segments) {
@@ -484,6 +509,10 @@ impl BlockDevice for FileDevice {
                 )?))
             }
         }
+    }
+
+    fn rescan(&self) -> Result<DeviceInfo, BdevError> {
+        self.inner.rescan()
     }
 
     fn describe(&self) -> String {
@@ -574,7 +603,7 @@ mod memfs_tests {
     use super::*;
 
     #[test]
-    fn auto_uses_inline_calls_on_tmpfs() {
+    fn tmpfs_files_are_detected() {
         if !std::path::Path::new("/dev/shm").is_dir() {
             eprintln!("skipped: no /dev/shm");
             return;
@@ -582,11 +611,31 @@ mod memfs_tests {
         let f = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
         f.as_file().set_len(1 << 20).unwrap();
         let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
-        assert_eq!(dev.effective_mode(), IoMode::Inline);
+        assert_eq!(dev.effective_mode(), IoMode::IoUring);
+        assert!(dev.inner.memory_backed);
         let mut io = crate::sync::SyncIo::new(&dev).unwrap();
         io.write_at(0, &[7u8; 4096]).unwrap();
         let mut b = [0u8; 4096];
         io.read_at(0, &mut b).unwrap();
         assert_eq!(b, [7u8; 4096]);
+    }
+}
+
+#[cfg(test)]
+mod rescan_tests {
+    use super::*;
+
+    #[test]
+    fn rescan_sees_a_grown_file() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(1 << 20).unwrap();
+        let dev = FileDevice::open(f.path(), &FileOptions::default()).unwrap();
+        assert_eq!(dev.info().num_blocks, 2048);
+        f.as_file().set_len(4 << 20).unwrap();
+        assert_eq!(dev.info().num_blocks, 2048, "size is cached until rescan");
+        assert_eq!(dev.rescan().unwrap().num_blocks, 8192);
+        assert_eq!(dev.info().num_blocks, 8192);
+        let mut io = crate::sync::SyncIo::new(&dev).unwrap();
+        io.write_at((4 << 20) - 4096, &[1u8; 4096]).unwrap();
     }
 }

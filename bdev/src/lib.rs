@@ -153,6 +153,13 @@ pub trait BlockDevice: Send + Sync {
 
     /// A short human-readable description (kind and backing), for logs.
     fn describe(&self) -> String;
+
+    /// Re-reads the capacity from the backing store (a file or disk that grew), returning the
+    /// new properties. Devices whose size only changes through their own API return
+    /// [`BlockDevice::info`].
+    fn rescan(&self) -> Result<DeviceInfo, BdevError> {
+        Ok(self.info())
+    }
 }
 
 /// A per-thread submission and completion queue on a [`BlockDevice`].

@@ -213,7 +213,7 @@ impl IoChannel for PoolChannel {
         if self.in_flight >= self.depth {
             return Err(SubmitError::Full);
         }
-        validate(&self.shared.inner.info, req, self.shared.max_segments)?;
+        validate(&self.shared.inner.info(), req, self.shared.max_segments)?;
         let mut st = self.shared.lock();
         // Every slot in use belongs to a request counted in `in_flight`, so one is free.
         let idx = st.free.pop().ok_or(SubmitError::Full)? as usize;

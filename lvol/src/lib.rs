@@ -40,11 +40,13 @@
 
 #![deny(missing_docs)]
 
+mod alloc;
 mod channel;
 pub mod cluster_map;
 mod error;
 mod lvol;
 pub mod md;
+mod recover;
 mod snapshot;
 mod store;
 pub mod superblock;

@@ -63,6 +63,8 @@ pub(crate) struct VolState {
 
 /// A logical volume. Implements [`BlockDevice`]; obtained from [`crate::LvStore`].
 pub struct Lvol {
+    /// This handle (for channels, which keep the volume alive).
+    pub(crate) me: std::sync::Weak<Lvol>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) id: u64,
     pub(crate) uuid: Uuid,
@@ -108,7 +110,7 @@ impl Lvol {
 
     /// `<lvs>/<lvol>`.
     pub fn alias(&self) -> String {
-        format!("{}/{}", self.shared.name, self.name())
+        format!("{}/{}", self.shared.name(), self.name())
     }
 
     /// Size in bytes.
@@ -207,11 +209,17 @@ impl BlockDevice for Lvol {
         depth: usize,
         max_segments: usize,
     ) -> Result<Box<dyn IoChannel>, BdevError> {
-        // The channel needs an owning handle; the store keeps one for every live volume.
+        if self.is_deleted() {
+            return Err(BdevError::Invalid(format!(
+                "volume {} was deleted",
+                self.name()
+            )));
+        }
+        // The channel keeps an owning handle; `self` is always inside an `Arc`.
         let me = self
-            .shared
-            .vol_arc(self.id)
-            .ok_or_else(|| BdevError::Invalid(format!("volume {} was deleted", self.name())))?;
+            .me
+            .upgrade()
+            .ok_or_else(|| BdevError::Invalid("volume handle is being dropped".into()))?;
         open_channel(&me, depth, max_segments)
     }
 

@@ -102,68 +102,99 @@ impl LvStore {
         self.copy_up(key, false)
     }
 
-    fn copy_up(&self, key: &str, all: bool) -> Result<()> {
-        let mut st = self.shared.md();
-        st.check_ok_pub()?;
-        let id = st.find(key)?;
-        let mut b = st.blob(id)?.clone();
-        if b.read_only {
-            return Err(LvolError::ReadOnly(b.name));
-        }
-        if !all && b.parent.is_none() {
-            return Err(LvolError::Invalid(format!("{} has no parent", b.name)));
-        }
-        let work: Vec<(usize, Option<u32>)> = (0..b.clusters.len())
+    /// Clusters of blob `b` that inflate (`all`) or decouple must fill, with their source.
+    fn copy_work(st: &crate::store::MdState, b: &BlobMd, all: bool) -> Vec<(usize, Option<u32>)> {
+        (0..b.clusters.len())
             .filter(|&c| b.clusters[c] == 0)
             .map(|c| (c, st.ancestor_cluster(b.parent, c as u64)))
             .filter(|(_, src)| all || src.is_some())
-            .collect();
-        if work.len() as u64 > st.free_clusters() {
-            return Err(LvolError::NoSpace {
-                needed: work.len() as u64,
-                free: st.free_clusters(),
-            });
-        }
-        let mut taken = Vec::new();
-        let mut r = Ok(());
-        for &(c, src) in &work {
-            let hint = c
-                .checked_sub(1)
-                .map(|p| b.clusters[p])
-                .filter(|&x| x != 0)
-                .map(|x| u64::from(x) + 1);
-            let p = match st.alloc_cluster(hint) {
-                Ok(p) => p,
-                Err(e) => {
+            .collect()
+    }
+
+    /// Inflate / decouple in chunks: each chunk of clusters is filled and committed (the
+    /// parent link stays until the end, so every intermediate state is a valid volume) and
+    /// the metadata lock is released between chunks, so first writes elsewhere are not stalled
+    /// for the whole copy.
+    fn copy_up(&self, key: &str, all: bool) -> Result<()> {
+        const CHUNK: usize = 16;
+        let id = {
+            let st = self.shared.md();
+            st.check_ok_pub()?;
+            let id = st.find(key)?;
+            let b = st.blob(id)?;
+            if b.read_only {
+                return Err(LvolError::ReadOnly(b.name.clone()));
+            }
+            if !all && b.parent.is_none() {
+                return Err(LvolError::Invalid(format!("{} has no parent", b.name)));
+            }
+            let needed = Self::copy_work(&st, b, all).len() as u64;
+            if needed > st.free_clusters() {
+                return Err(LvolError::NoSpace {
+                    needed,
+                    free: st.free_clusters(),
+                });
+            }
+            id
+        };
+        loop {
+            let mut st = self.shared.md();
+            st.check_ok_pub()?;
+            let mut b = st.blob(id)?.clone();
+            if b.read_only {
+                return Err(LvolError::ReadOnly(b.name));
+            }
+            let work: Vec<(usize, Option<u32>)> = Self::copy_work(&st, &b, all)
+                .into_iter()
+                .take(CHUNK)
+                .collect();
+            if work.is_empty() {
+                if b.parent.is_some() || (all && b.thin) {
+                    b.parent = None;
+                    if all {
+                        b.thin = false;
+                    }
+                    st.commit(vec![b], &[])?;
+                    st.publish(id);
+                }
+                return Ok(());
+            }
+            let mut taken = Vec::new();
+            let mut r = Ok(());
+            for &(c, src) in &work {
+                let hint = c
+                    .checked_sub(1)
+                    .map(|p| b.clusters[p])
+                    .filter(|&x| x != 0)
+                    .map(|x| u64::from(x) + 1);
+                let p = match st.alloc_cluster(hint) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        r = Err(e);
+                        break;
+                    }
+                };
+                taken.push(p);
+                if let Err(e) = st.fill_cluster(p, src) {
                     r = Err(e);
                     break;
                 }
-            };
-            taken.push(p);
-            if let Err(e) = st.fill_cluster(p, src) {
-                r = Err(e);
-                break;
+                b.clusters[c] = p;
             }
-            b.clusters[c] = p;
-        }
-        if r.is_ok() {
-            r = st.flush();
-        }
-        if r.is_ok() {
-            b.parent = None;
-            if all {
-                b.thin = false;
+            if r.is_ok() {
+                r = st.flush();
             }
-            r = st.commit(vec![b], &[]);
-        }
-        if let Err(e) = r {
-            for p in taken {
-                st.clusters_mut().clear(u64::from(p));
+            if r.is_ok() {
+                r = st.commit(vec![b], &[]);
             }
-            return Err(e);
+            if let Err(e) = r {
+                for p in taken {
+                    st.clusters_mut().clear(u64::from(p));
+                }
+                return Err(e);
+            }
+            st.publish(id);
         }
-        st.publish(id);
-        Ok(())
     }
 
     /// Deletes a volume. A snapshot with one clone is merged into the clone (the clone takes

@@ -1,7 +1,7 @@
 //! The volume store: creation, examination (open), the metadata transaction engine, and the
 //! volume-level operations.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
@@ -15,17 +15,16 @@ use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
 use crate::lvol::{Lvol, LvolInfo, VolState};
 use crate::md::{
-    build_page, decode_blob, encode_blob, parse_page, BlobMd, ClearMethod, PageHdr, PageState,
-    NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE,
+    build_page, encode_blob, BlobMd, ClearMethod, PageHdr, NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE,
 };
-use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS, SPDK_SIGNATURE};
+use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS};
 
 /// Default cluster size (SPDK's): 4 MiB.
 pub const DEFAULT_CLUSTER_SIZE: u32 = 4 << 20;
 const PAGE: u64 = PAGE_SIZE as u64;
 pub use crate::md::MAX_VOL_CLUSTERS;
-/// Pages read per request when scanning the metadata region.
-const SCAN_CHUNK: u64 = 256;
+/// Metadata pages only transactions that delete volumes may use.
+const MD_RESERVE: u64 = 4;
 /// Largest zero buffer used to emulate write-zeroes.
 const ZERO_CHUNK: usize = 1 << 20;
 
@@ -38,7 +37,8 @@ pub struct LvsOptions {
     pub uuid: Option<Uuid>,
     /// Cluster size in bytes: a power of two, at least 4 KiB (default 4 MiB).
     pub cluster_size: u32,
-    /// Pages reserved for metadata; default one per cluster (at least 64), as SPDK.
+    /// Pages reserved for metadata; default one per 8 clusters, at least 64 (SPDK reserves one
+    /// per cluster, but it reads only the used ones on a clean load; katablk scans them all).
     pub md_pages: Option<u32>,
     /// How the data area is cleared at creation (SPDK's lvstore `clear_method`).
     pub clear_method: ClearMethod,
@@ -98,9 +98,9 @@ pub(crate) struct Waiter {
 
 #[derive(Default)]
 pub(crate) struct AllocQueue {
-    pending: HashMap<(u64, u64), Vec<Waiter>>,
-    queue: Vec<(Arc<Lvol>, u64)>,
-    closed: bool,
+    pub(crate) pending: HashMap<(u64, u64), Vec<Waiter>>,
+    pub(crate) queue: Vec<(Arc<Lvol>, u64)>,
+    pub(crate) closed: bool,
 }
 
 /// Result of asking for a cluster allocation.
@@ -111,39 +111,49 @@ pub(crate) enum AllocReq {
     Closed,
 }
 
+impl Shared {
+    /// The store's current name.
+    pub(crate) fn name(&self) -> String {
+        self.name.read().map(|n| n.clone()).unwrap_or_default()
+    }
+}
+
 /// State shared by the store, its volumes, their channels and the allocation worker.
 pub(crate) struct Shared {
     pub(crate) dev: Arc<dyn BlockDevice>,
     pub(crate) cluster_size: u64,
-    pub(crate) name: String,
+    /// Store name (changed by [`LvStore::rename`]).
+    name: std::sync::RwLock<String>,
     pub(crate) uuid: Uuid,
     md: Mutex<MdState>,
     alloc: Mutex<AllocQueue>,
-    alloc_cv: Condvar,
+    pub(crate) alloc_cv: Condvar,
     pub(crate) closed: AtomicBool,
     pub(crate) allocations: AtomicU64,
 }
 
 pub(crate) struct MdState {
-    io: SyncIo,
+    pub(crate) io: SyncIo,
     pub(crate) sb: SuperBlock,
-    md_used: Bitmap,
+    pub(crate) md_used: Bitmap,
     pub(crate) clusters: Bitmap,
     pub(crate) blobs: BTreeMap<u64, BlobMd>,
-    pages: HashMap<u64, Vec<u32>>,
+    pub(crate) pages: HashMap<u64, Vec<u32>>,
     pub(crate) vols: HashMap<u64, Arc<Lvol>>,
-    next_txn: u64,
+    pub(crate) next_txn: u64,
     /// Newest committed transaction (whose pages are all still on disk).
-    last_committed: u64,
-    next_id: u64,
-    deferred_zero: Vec<u32>,
+    pub(crate) last_committed: u64,
+    pub(crate) next_id: u64,
+    pub(crate) deferred_zero: Vec<u32>,
     /// A metadata write failed in a way that could not be undone: refuse further updates.
-    poisoned: bool,
-    md_hint: u64,
-    cluster_hint: u64,
-    bounce: Vec<u8>,
-    write_zeroes: bool,
-    discard: bool,
+    pub(crate) poisoned: bool,
+    /// The store was closed (marked clean): refuse further updates.
+    pub(crate) closed: bool,
+    pub(crate) md_hint: u64,
+    pub(crate) cluster_hint: u64,
+    pub(crate) bounce: Vec<u8>,
+    pub(crate) write_zeroes: bool,
+    pub(crate) discard: bool,
 }
 
 /// A logical volume store on a block device. `Send + Sync`; share it with an `Arc`.
@@ -155,7 +165,7 @@ pub struct LvStore {
 impl std::fmt::Debug for LvStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LvStore")
-            .field("name", &self.shared.name)
+            .field("name", &self.shared.name())
             .field("uuid", &self.shared.uuid)
             .finish()
     }
@@ -179,12 +189,8 @@ impl Shared {
         self.md.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn aq(&self) -> MutexGuard<'_, AllocQueue> {
+    pub(crate) fn aq(&self) -> MutexGuard<'_, AllocQueue> {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn vol_arc(&self, id: u64) -> Option<Arc<Lvol>> {
-        self.md().vols.get(&id).cloned()
     }
 
     /// Queues the allocation of logical cluster `c` of `vol`; the waiter is told when done. The
@@ -209,15 +215,18 @@ impl Shared {
 }
 
 impl MdState {
-    fn page_off(&self, p: u32) -> u64 {
+    pub(crate) fn page_off(&self, p: u32) -> u64 {
         (u64::from(self.sb.md_start) + u64::from(p)) * PAGE
     }
 
-    fn cs(&self) -> u64 {
+    pub(crate) fn cs(&self) -> u64 {
         u64::from(self.sb.cluster_size)
     }
 
-    fn check_ok(&self) -> Result<()> {
+    pub(crate) fn check_ok(&self) -> Result<()> {
+        if self.closed {
+            return Err(LvolError::Closed);
+        }
         if self.poisoned {
             return Err(LvolError::CorruptMetadata(
                 "an earlier metadata write failed; reopen the store".into(),
@@ -227,7 +236,7 @@ impl MdState {
     }
 
     /// Writes a new generation of the super block to the other slot and flushes.
-    fn write_sb(&mut self, mut sb: SuperBlock) -> Result<()> {
+    pub(crate) fn write_sb(&mut self, mut sb: SuperBlock) -> Result<()> {
         sb.generation = self.sb.generation + 1;
         let page = sb.encode();
         self.io.write_at(sb.slot() * PAGE, &page)?;
@@ -414,6 +423,16 @@ impl MdState {
                 s.md_used.clear(u64::from(*p));
             }
         };
+        // Keep a few pages back for deletions, so a full metadata region can always be
+        // relieved by deleting volumes.
+        let freed_after: usize = self.deferred_zero.len()
+            + updates
+                .iter()
+                .map(|b| self.pages.get(&b.id).map_or(0, |p| p.len()))
+                .sum::<usize>();
+        if deletes.is_empty() && self.md_used.count_clear() + (freed_after as u64) < MD_RESERVE {
+            failed = true;
+        }
         if failed {
             undo_pages(self, &placed);
             return Err(LvolError::MdFull(self.sb.md_len));
@@ -489,7 +508,8 @@ impl MdState {
     /// Registers a live handle for a new blob.
     pub(crate) fn add_vol(&mut self, shared: &Arc<Shared>, id: u64) -> Arc<Lvol> {
         let uuid = self.blobs.get(&id).map(|b| b.uuid).unwrap_or_default();
-        let v = Arc::new(Lvol {
+        let v = Arc::new_cyclic(|me| Lvol {
+            me: me.clone(),
             shared: shared.clone(),
             id,
             uuid,
@@ -570,8 +590,8 @@ impl MdState {
         LvolInfo {
             name: b.name.clone(),
             uuid: b.uuid,
-            alias: format!("{}/{}", shared.name, b.name),
-            lvs_name: shared.name.clone(),
+            alias: format!("{}/{}", shared.name(), b.name),
+            lvs_name: shared.name(),
             lvs_uuid: shared.uuid,
             size_bytes: b.clusters.len() as u64 * cs,
             block_size: bs,
@@ -626,10 +646,8 @@ fn read_superblock(io: &mut SyncIo, dev_size: u64) -> Result<SuperBlock> {
 }
 
 fn describe_foreign(p0: &[u8]) -> String {
-    if &p0[0..8] == SPDK_SIGNATURE {
-        return "found an SPDK blobstore super block (SPDKBLOB); katablk's on-disk format is \
-                modelled on it but not byte compatible"
-            .into();
+    if let Some(d) = crate::superblock::describe_spdk(p0) {
+        return d;
     }
     if p0.len() >= 1082 && p0[1080] == 0x53 && p0[1081] == 0xef {
         return "device holds an ext2/3/4 file system".into();
@@ -640,18 +658,12 @@ fn describe_foreign(p0: &[u8]) -> String {
     "no katablk signature in either super block slot".into()
 }
 
-#[derive(Clone, Copy)]
-struct Seen {
-    page: u32,
-    hdr: PageHdr,
-}
-
 impl LvStore {
     fn start(shared: Arc<Shared>) -> LvStore {
         let s2 = shared.clone();
         let handle = std::thread::Builder::new()
-            .name(format!("lvs-{}-alloc", shared.name))
-            .spawn(move || alloc_worker(s2))
+            .name(format!("lvs-{}-alloc", shared.name()))
+            .spawn(move || crate::alloc::alloc_worker(s2))
             .ok();
         if handle.is_none() {
             tracing::error!("cannot start the allocation worker; thin writes will fail");
@@ -683,7 +695,9 @@ impl LvStore {
         let md_len = match opts.md_pages {
             Some(0) => return Err(LvolError::Invalid("md_pages must be positive".into())),
             Some(n) => n,
-            None => num_clusters.clamp(64, 1 << 20) as u32,
+            // One page per 8 clusters (at least 64): room for ~4 pages per volume and fully
+            // fragmented thin volumes, while keeping the open-time scan short.
+            None => (num_clusters / 8).clamp(64, 1 << 18) as u32,
         };
         let md_end = (u64::from(MD_START) + u64::from(md_len)) * PAGE;
         let first_data_cluster = md_end.div_ceil(u64::from(cs));
@@ -760,6 +774,7 @@ impl LvStore {
             next_id: 0,
             deferred_zero: Vec::new(),
             poisoned: false,
+            closed: false,
             md_hint: 0,
             bounce: Vec::new(),
             write_zeroes: info.write_zeroes,
@@ -771,7 +786,7 @@ impl LvStore {
         Arc::new(Shared {
             dev,
             cluster_size: u64::from(sb.cluster_size),
-            name: sb.name.clone(),
+            name: std::sync::RwLock::new(sb.name.clone()),
             uuid: sb.uuid,
             md: Mutex::new(st),
             alloc: Mutex::new(AllocQueue::default()),
@@ -854,15 +869,20 @@ impl LvStore {
                 tracing::warn!("lvstore {}: marking clean shutdown: {e}", st.sb.name);
             }
         }
-        for v in st.vols.values() {
-            v.st_mut().parent = None;
-        }
+        st.closed = true;
+        // Handles kept by users keep serving allocated clusters (parent links stay, so clones
+        // still read through); only the store's own references are dropped.
         st.vols.clear();
     }
 
     /// Destroys the store: every volume is detached and the super block and metadata are
     /// erased, so the device no longer opens as a store.
     pub fn destroy(self) -> Result<()> {
+        let vols: Vec<Arc<Lvol>> = self.shared.md().vols.values().cloned().collect();
+        for v in &vols {
+            let _ = v.freeze();
+            v.st_mut().deleted = true;
+        }
         self.close();
         let mut st = self.shared.md();
         st.poisoned = true;
@@ -879,7 +899,7 @@ impl LvStore {
         let st = self.shared.md();
         let cs = st.cs();
         LvsInfo {
-            name: self.shared.name.clone(),
+            name: self.shared.name(),
             uuid: self.shared.uuid,
             cluster_size: cs,
             block_size: st.sb.block_size,
@@ -892,8 +912,27 @@ impl LvStore {
     }
 
     /// Store name.
-    pub fn name(&self) -> &str {
-        &self.shared.name
+    pub fn name(&self) -> String {
+        self.shared.name()
+    }
+
+    /// Renames the store (SPDK's `bdev_lvol_rename_lvstore`); volume aliases follow.
+    pub fn rename_store(&self, new_name: &str) -> Result<()> {
+        if new_name.is_empty() || new_name.len() > 63 || new_name.contains('/') {
+            return Err(LvolError::Invalid(format!(
+                "lvstore name {new_name:?} must be 1 to 63 bytes without '/'"
+            )));
+        }
+        let mut st = self.shared.md();
+        st.check_ok()?;
+        let mut sb = st.sb.clone();
+        sb.name = new_name.to_string();
+        sb.validate()?;
+        st.write_sb(sb)?;
+        if let Ok(mut n) = self.shared.name.write() {
+            *n = new_name.to_string();
+        }
+        Ok(())
     }
 
     /// Store UUID.
@@ -1169,372 +1208,5 @@ impl LvStore {
 impl Drop for LvStore {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-impl MdState {
-    /// Scans the metadata region and rebuilds the in-memory state (see FORMAT.md, "Recovery").
-    fn recover(&mut self) -> Result<()> {
-        let md_len = u64::from(self.sb.md_len);
-        let mut seen: Vec<Seen> = Vec::new();
-        let mut nonzero: Vec<u32> = Vec::new();
-        let mut bodies: HashMap<u32, Vec<u8>> = HashMap::new();
-        let mut buf = vec![0u8; (SCAN_CHUNK * PAGE) as usize];
-        let mut p = 0;
-        while p < md_len {
-            let n = SCAN_CHUNK.min(md_len - p);
-            let b = &mut buf[..(n * PAGE) as usize];
-            let off = (u64::from(self.sb.md_start) + p) * PAGE;
-            self.io.read_at(off, b)?;
-            for i in 0..n {
-                let pg = &b[(i * PAGE) as usize..((i + 1) * PAGE) as usize];
-                let idx = (p + i) as u32;
-                match parse_page(pg) {
-                    PageState::Zero => {}
-                    PageState::Bad => nonzero.push(idx),
-                    PageState::Valid(h) => {
-                        nonzero.push(idx);
-                        seen.push(Seen { page: idx, hdr: h });
-                        bodies.insert(idx, pg[crate::md::HDR_LEN..crate::md::NEXT_OFF].to_vec());
-                    }
-                }
-            }
-            p += n;
-        }
-        // Group pages by (blob, txn).
-        let mut groups: BTreeMap<(u64, u64), Vec<Seen>> = BTreeMap::new();
-        for s in &seen {
-            groups
-                .entry((s.hdr.blob_id, s.hdr.txn))
-                .or_default()
-                .push(*s);
-        }
-        let complete = |g: &[Seen]| -> Option<Vec<Seen>> {
-            let n = g[0].hdr.chain_len as usize;
-            if g.len() != n
-                || g.iter().any(|s| {
-                    s.hdr.chain_len != g[0].hdr.chain_len
-                        || s.hdr.flags != g[0].hdr.flags
-                        || s.hdr.members != g[0].hdr.members
-                        || s.hdr.live != g[0].hdr.live
-                })
-            {
-                return None;
-            }
-            let mut ordered: Vec<Option<Seen>> = vec![None; n];
-            for s in g {
-                let slot = ordered.get_mut(s.hdr.seq_num as usize)?;
-                if slot.is_some() {
-                    return None;
-                }
-                *slot = Some(*s);
-            }
-            let ordered: Vec<Seen> = ordered.into_iter().collect::<Option<Vec<_>>>()?;
-            for (i, s) in ordered.iter().enumerate() {
-                let want = ordered.get(i + 1).map(|x| x.page).unwrap_or(NO_PAGE);
-                if s.hdr.next != want {
-                    return None;
-                }
-            }
-            Some(ordered)
-        };
-        let max_txn = seen.iter().map(|s| s.hdr.txn).max().unwrap_or(0);
-        self.next_txn = max_txn + 1;
-        // Was the newest transaction completely written?
-        let mut ignored_txn = None;
-        if max_txn > 0 {
-            let top: Vec<&Vec<Seen>> = groups
-                .iter()
-                .filter(|((_, t), _)| *t == max_txn)
-                .map(|(_, g)| g)
-                .collect();
-            let members = top[0][0].hdr.members as usize;
-            let consistent = top
-                .iter()
-                .all(|g| g.iter().all(|s| s.hdr.members as usize == members));
-            let ok = top.iter().filter(|g| complete(g).is_some()).count();
-            if !consistent || ok != members {
-                tracing::warn!(
-                    "lvstore {}: transaction {max_txn} was interrupted; rolling it back",
-                    self.sb.name
-                );
-                ignored_txn = Some(max_txn);
-            }
-        }
-        // The newest surviving chain of each blob must be complete.
-        let mut newest: BTreeMap<u64, u64> = BTreeMap::new();
-        for s in &seen {
-            if Some(s.hdr.txn) == ignored_txn {
-                continue;
-            }
-            let e = newest.entry(s.hdr.blob_id).or_insert(0);
-            *e = (*e).max(s.hdr.txn);
-        }
-        let committed_max = newest.values().copied().max().unwrap_or(0);
-        let mut live_pages: HashSet<u32> = HashSet::new();
-        let mut tomb_pages: Vec<u32> = Vec::new();
-        let mut tomb_txn: HashMap<u32, u64> = HashMap::new();
-        let mut expected_live = None;
-        for (&id, &txn) in &newest {
-            let g = &groups[&(id, txn)];
-            let chain = complete(g).ok_or_else(|| {
-                LvolError::CorruptMetadata(format!(
-                    "blob {id:#x}: newest metadata (transaction {txn}) is damaged or incomplete \
-                     ({} of {} pages readable)",
-                    g.len(),
-                    g[0].hdr.chain_len
-                ))
-            })?;
-            if txn == committed_max {
-                expected_live = Some(chain[0].hdr.live);
-            }
-            if chain[0].hdr.flags & PAGE_TOMBSTONE != 0 {
-                tomb_pages.extend(chain.iter().map(|s| s.page));
-                tomb_txn.extend(chain.iter().map(|s| (s.page, txn)));
-                continue;
-            }
-            let refs: Vec<&[u8]> = chain
-                .iter()
-                .map(|s| bodies.get(&s.page).map(|v| v.as_slice()).unwrap_or(&[]))
-                .collect();
-            let blob = decode_blob(id, &refs, self.sb.num_clusters)?;
-            for s in &chain {
-                live_pages.insert(s.page);
-            }
-            self.pages
-                .insert(id, chain.iter().map(|s| s.page).collect());
-            self.next_id = self.next_id.max((id & 0xffff_ffff) + 1);
-            self.blobs.insert(id, blob);
-        }
-        if let Some(n) = expected_live {
-            if n as usize != self.blobs.len() {
-                return Err(LvolError::CorruptMetadata(format!(
-                    "the last transaction recorded {n} volumes but {} were found: metadata \
-                     pages are missing or damaged",
-                    self.blobs.len()
-                )));
-            }
-        }
-        // Cross-checks: clusters in range and never shared; parents exist; names unique.
-        let mut names = HashSet::new();
-        for b in self.blobs.values() {
-            if !names.insert(b.name.clone()) {
-                return Err(LvolError::CorruptMetadata(format!(
-                    "two volumes are named {:?}",
-                    b.name
-                )));
-            }
-            if let Some(p) = b.parent {
-                if !self.blobs.contains_key(&p) || p == b.id {
-                    return Err(LvolError::CorruptMetadata(format!(
-                        "volume {:?} refers to missing parent {p:#x}",
-                        b.name
-                    )));
-                }
-            }
-            for &c in &b.clusters {
-                if c == 0 {
-                    continue;
-                }
-                if u64::from(c) < self.sb.first_data_cluster {
-                    return Err(LvolError::CorruptMetadata(format!(
-                        "volume {:?} maps metadata cluster {c}",
-                        b.name
-                    )));
-                }
-                if !self.clusters.set(u64::from(c)) {
-                    return Err(LvolError::CorruptMetadata(format!(
-                        "cluster {c} is claimed twice (volume {:?})",
-                        b.name
-                    )));
-                }
-            }
-        }
-        for b in self.blobs.values() {
-            let mut p = b.parent;
-            let mut hops = 0;
-            while let Some(x) = p {
-                hops += 1;
-                if hops > self.blobs.len() {
-                    return Err(LvolError::CorruptMetadata(format!(
-                        "parent cycle through {:?}",
-                        b.name
-                    )));
-                }
-                p = self.blobs.get(&x).and_then(|y| y.parent);
-            }
-        }
-        if self.sb.clean && (ignored_txn.is_some() || max_txn != self.sb.last_txn) {
-            return Err(LvolError::CorruptMetadata(format!(
-                "the store was shut down cleanly after transaction {} but the newest intact \
-                 transaction is {}: metadata pages are damaged",
-                self.sb.last_txn,
-                if ignored_txn.is_some() {
-                    committed_max
-                } else {
-                    max_txn
-                }
-            )));
-        }
-        for &p in live_pages.iter().chain(tomb_pages.iter()) {
-            self.md_used.set(u64::from(p));
-        }
-        // From here on the store is in use: clear the clean flag before touching anything.
-        let mut sb = self.sb.clone();
-        sb.clean = false;
-        self.write_sb(sb)?;
-        // Scrub: erase superseded, torn and rolled-back pages first, tombstones after.
-        let garbage: Vec<u32> = nonzero
-            .iter()
-            .copied()
-            .filter(|p| !live_pages.contains(p) && !tomb_pages.contains(p))
-            .collect();
-        let zero = vec![0u8; PAGE_SIZE];
-        if !garbage.is_empty() {
-            for &p in &garbage {
-                self.io.write_at(self.page_off(p), &zero)?;
-            }
-            self.flush()?;
-        }
-        // Tombstones of the newest transaction stay until the next commit, so that the
-        // newest transaction is always entirely on disk (the clean-shutdown check needs it).
-        let (keep, old_tombs): (Vec<u32>, Vec<u32>) = tomb_pages
-            .iter()
-            .partition(|p| tomb_txn.get(p) == Some(&committed_max));
-        if !old_tombs.is_empty() {
-            for &p in &old_tombs {
-                self.io.write_at(self.page_off(p), &zero)?;
-                self.md_used.clear(u64::from(p));
-            }
-            self.flush()?;
-        }
-        self.deferred_zero = keep;
-        self.last_committed = committed_max;
-        tracing::info!(
-            "opened lvstore {} ({}): {} volumes, {} free clusters, {} pages scrubbed",
-            self.sb.name,
-            self.sb.uuid,
-            self.blobs.len(),
-            self.free_clusters(),
-            garbage.len() + old_tombs.len()
-        );
-        Ok(())
-    }
-}
-
-/// Allocates clusters for first writes, in batches: fill every new cluster (copy from the
-/// parent or zero), flush, commit one metadata transaction, publish, wake the waiters.
-fn alloc_worker(shared: Arc<Shared>) {
-    loop {
-        let batch: Vec<(Arc<Lvol>, u64)> = {
-            let mut q = shared.aq();
-            while q.queue.is_empty() && !q.closed {
-                q = shared.alloc_cv.wait(q).unwrap_or_else(|e| e.into_inner());
-            }
-            if q.closed {
-                return;
-            }
-            std::mem::take(&mut q.queue)
-        };
-        let results = alloc_batch(&shared, &batch);
-        let mut notes = Vec::new();
-        {
-            let mut q = shared.aq();
-            for ((vol, c), r) in batch.iter().zip(results) {
-                if let Some(ws) = q.pending.remove(&(vol.id, *c)) {
-                    for w in ws {
-                        notes.push((w, *c, r));
-                    }
-                }
-            }
-        }
-        for (w, c, r) in notes {
-            w.chan.notify(w.slot, c, r);
-        }
-    }
-}
-
-fn alloc_batch(shared: &Arc<Shared>, batch: &[(Arc<Lvol>, u64)]) -> Vec<Result<(), IoError>> {
-    let mut st = shared.md();
-    let mut results: Vec<Result<(), IoError>> = vec![Ok(()); batch.len()];
-    if st.check_ok().is_err() {
-        return vec![Err(IoError::Errno(libc::EIO)); batch.len()];
-    }
-    let mut changed: BTreeMap<u64, BlobMd> = BTreeMap::new();
-    let mut taken: Vec<u32> = Vec::new();
-    let mut failed = None;
-    for (i, (vol, c)) in batch.iter().enumerate() {
-        let c = *c as usize;
-        let b = match changed.get(&vol.id) {
-            Some(b) => b.clone(),
-            None => match st.blobs.get(&vol.id) {
-                Some(b) => b.clone(),
-                None => {
-                    results[i] = Err(IoError::Errno(libc::ENODEV));
-                    continue;
-                }
-            },
-        };
-        if c >= b.clusters.len() {
-            results[i] = Err(IoError::Errno(libc::EINVAL));
-            continue;
-        }
-        if b.clusters[c] != 0 {
-            continue;
-        }
-        if b.read_only {
-            results[i] = Err(IoError::Errno(libc::EROFS));
-            continue;
-        }
-        let hint = c
-            .checked_sub(1)
-            .and_then(|p| b.clusters.get(p))
-            .filter(|&&x| x != 0)
-            .map(|&x| u64::from(x) + 1);
-        let p = match st.alloc_cluster(hint) {
-            Ok(p) => p,
-            Err(_) => {
-                results[i] = Err(IoError::Errno(libc::ENOSPC));
-                continue;
-            }
-        };
-        taken.push(p);
-        let src = st.ancestor_cluster(b.parent, c as u64);
-        if let Err(e) = st.fill_cluster(p, src) {
-            failed = Some(e);
-            break;
-        }
-        let mut b = b;
-        b.clusters[c] = p;
-        changed.insert(vol.id, b);
-    }
-    let mut r = match failed {
-        Some(e) => Err(e),
-        None => st.flush(),
-    };
-    if r.is_ok() && !changed.is_empty() {
-        r = st.commit(changed.values().cloned().collect(), &[]);
-    }
-    match r {
-        Ok(()) => {
-            for id in changed.keys() {
-                st.publish(*id);
-            }
-            shared
-                .allocations
-                .fetch_add(taken.len() as u64, Ordering::Relaxed);
-            results
-        }
-        Err(e) => {
-            tracing::error!("cluster allocation failed: {e}");
-            for p in taken {
-                st.clusters.clear(u64::from(p));
-            }
-            let errno = e.errno();
-            results
-                .into_iter()
-                .map(|r| r.and(Err(IoError::Errno(errno))))
-                .collect()
-        }
     }
 }

@@ -167,6 +167,36 @@ impl SuperBlock {
     }
 }
 
+/// Describes an SPDK blobstore super block (layout of SPDK's `struct spdk_bs_super_block`),
+/// or `None` when `p` does not start with SPDK's signature.
+pub fn describe_spdk(p: &[u8]) -> Option<String> {
+    if p.len() < PAGE_SIZE || &p[0..8] != SPDK_SIGNATURE {
+        return None;
+    }
+    let crc_ok = crc(&p[..PAGE_SIZE - 4]) == get_u32(p, PAGE_SIZE - 4);
+    let bstype: String = p[56..72]
+        .iter()
+        .take_while(|&&b| b != 0)
+        .map(|&b| if b.is_ascii_graphic() { b as char } else { '?' })
+        .collect();
+    Some(format!(
+        "found an SPDK blobstore super block (version {}, cluster size {}, metadata pages {}+{}, \
+         type {:?}, {}, checksum {}); katablk's on-disk format is modelled on SPDK's but not \
+         byte compatible, so it cannot be opened here",
+        get_u32(p, 8),
+        get_u32(p, 28),
+        get_u32(p, 48),
+        get_u32(p, 52),
+        bstype,
+        if get_u32(p, 16) == 1 {
+            "clean"
+        } else {
+            "dirty"
+        },
+        if crc_ok { "valid" } else { "bad" },
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -225,3 +225,145 @@ fn on_a_file() {
     assert_eq!(i.clones, vec!["thin0".to_string(), "clone0".to_string()]);
     assert_eq!(i.num_allocated_clusters, 4);
 }
+
+#[test]
+fn metadata_region_full() {
+    let dev = FaultDev::new(8 << 20);
+    let mut o = opts();
+    o.md_pages = Some(8);
+    let lvs = LvStore::create(dev.arc(), o).unwrap();
+    let mut made = 0;
+    let err = loop {
+        match lvs.create_lvol(&format!("v{made}"), u64::from(CS), true) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made < 100);
+    };
+    assert!(matches!(err, LvolError::MdFull(8)), "{err}");
+    assert_eq!(err.errno(), libc::ENOSPC);
+    assert_eq!(made, 4);
+    // Still consistent: delete one, create again, reopen.
+    lvs.delete("v0").unwrap();
+    lvs.create_lvol("again", u64::from(CS), false).unwrap();
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    assert_eq!(lvs.list().len(), made);
+    assert_eq!(lvs.info().free_md_pages as usize, 8 - made);
+}
+
+#[test]
+fn handles_after_close_and_destroy() {
+    let dev = FaultDev::new(8 << 20);
+    let lvs = LvStore::create(dev.arc(), opts()).unwrap();
+    let v = lvs.create_lvol("v", 4 * u64::from(CS), true).unwrap();
+    write(&*v, 0, &pattern(1, 4096));
+    lvs.snapshot("v", "s").unwrap();
+    lvs.close();
+    // Metadata changes are refused once closed (the super block says clean).
+    assert!(matches!(
+        lvs.create_lvol("x", 4096, true),
+        Err(LvolError::Closed)
+    ));
+    // The clone still reads through its snapshot; allocating writes fail.
+    let mut io = SyncIo::new(&*v).unwrap();
+    let mut b = vec![0u8; 4096];
+    io.read_at(0, &mut b).unwrap();
+    assert_eq!(b, pattern(1, 4096));
+    assert!(io.write_at(0, &b).is_err());
+    drop(io);
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    let v = lvs.lvol("v").unwrap();
+    lvs.destroy().unwrap();
+    assert!(v.is_deleted());
+    let mut io = SyncIo::new(&*v);
+    assert!(io.is_err() || io.as_mut().unwrap().read_at(0, &mut b).is_err());
+}
+
+#[test]
+fn block_size_4096() {
+    let dev: Arc<dyn BlockDevice> =
+        Arc::new(katablk_bdev::malloc::MallocDevice::new((32 << 20) / 4096, 4096).unwrap());
+    let mut o = opts();
+    o.cluster_size = 1 << 20;
+    let lvs = LvStore::create(dev.clone(), o).unwrap();
+    assert_eq!(lvs.info().block_size, 4096);
+    let v = lvs.create_lvol("v", 4 << 20, true).unwrap();
+    assert_eq!(v.info().block_size, 4096);
+    assert_eq!(v.info().num_blocks, 1024);
+    let a = pattern(3, 12288);
+    write(&*v, (1 << 20) - 4096, &a);
+    let mut io = SyncIo::new(&*v).unwrap();
+    let mut b = vec![0u8; 512];
+    assert!(
+        io.read_at(0, &mut b).is_err(),
+        "512-byte read on a 4096-byte volume"
+    );
+    drop(io);
+    drop(v);
+    drop(lvs);
+    let lvs = LvStore::open(dev).unwrap();
+    assert_eq!(read(&*lvs.lvol("v").unwrap(), (1 << 20) - 4096, 12288), a);
+}
+
+#[test]
+fn inflate_in_chunks() {
+    let dev = FaultDev::new(16 << 20);
+    let lvs = LvStore::create(dev.arc(), opts()).unwrap();
+    let v = lvs.create_lvol("v", 40 * u64::from(CS), true).unwrap();
+    for c in (0..40u64).step_by(3) {
+        write(&*v, c * u64::from(CS) + 512, &pattern(c + 1, 4096));
+    }
+    lvs.snapshot("v", "s").unwrap();
+    let c1 = lvs.clone("s", "c1").unwrap();
+    let c2 = lvs.clone("s", "c2").unwrap();
+    write(&*c1, 5 * u64::from(CS), &pattern(99, 4096));
+    lvs.inflate("c1").unwrap();
+    lvs.decouple_parent("c2").unwrap();
+    let i1 = lvs.lvol_info("c1").unwrap();
+    assert!(!i1.thin && !i1.clone && i1.num_allocated_clusters == 40);
+    let i2 = lvs.lvol_info("c2").unwrap();
+    assert!(i2.thin && !i2.clone && i2.num_allocated_clusters == 14);
+    drop((c1, c2));
+    drop(lvs);
+    let lvs = LvStore::open(dev.arc()).unwrap();
+    let c1 = lvs.lvol("c1").unwrap();
+    let c2 = lvs.lvol("c2").unwrap();
+    let cs = u64::from(CS);
+    for c in 0..40u64 {
+        let want = if c % 3 == 0 {
+            pattern(c + 1, 4096)
+        } else {
+            vec![0; 4096]
+        };
+        let off = c * cs + 512;
+        if c == 5 {
+            assert_eq!(read(&*c1, 5 * cs, 4096), pattern(99, 4096));
+        } else {
+            assert_eq!(read(&*c1, off, 4096), want, "c1 cluster {c}");
+        }
+        assert_eq!(read(&*c2, off, 4096), want, "c2 cluster {c}");
+    }
+    drop(v);
+}
+
+#[test]
+fn rename_store_persists_and_aliases_follow() {
+    use katablk_bdev::malloc::MallocDevice;
+    use katablk_lvol::{LvStore, LvsOptions};
+    use std::sync::Arc;
+    let dev: Arc<dyn katablk_bdev::BlockDevice> = Arc::new(MallocDevice::new(65536, 512).unwrap());
+    let lvs = LvStore::create(dev.clone(), LvsOptions::new("old")).unwrap();
+    lvs.create_lvol("v", 4 << 20, true).unwrap();
+    lvs.rename_store("new").unwrap();
+    assert_eq!(lvs.name(), "new");
+    assert_eq!(lvs.list()[0].alias, "new/v");
+    assert!(lvs.lvol("new/v").is_ok());
+    assert!(lvs.rename_store("").is_err());
+    assert!(lvs.rename_store("a/b").is_err());
+    drop(lvs);
+    let lvs = LvStore::open(dev).unwrap();
+    assert_eq!(lvs.name(), "new");
+    assert_eq!(lvs.lvol("new/v").unwrap().alias(), "new/v");
+}

@@ -285,3 +285,189 @@ fn crash_during_create() {
 
 #[allow(dead_code)]
 fn _unused(_: &dyn BlockDevice) {}
+
+#[derive(Debug, Clone)]
+enum COp {
+    Create { thin: bool, clusters: u64 },
+    Write { vol: usize, blk: usize, n: usize },
+    Flush { vol: usize },
+    Snapshot { vol: usize },
+    Clone { vol: usize },
+    Delete { vol: usize },
+    Resize { vol: usize, clusters: u64 },
+    Reopen,
+}
+
+fn cop() -> impl proptest::strategy::Strategy<Value = COp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        2 => (any::<bool>(), 1u64..4).prop_map(|(thin, clusters)| COp::Create { thin, clusters }),
+        6 => (any::<usize>(), any::<usize>(), 1usize..20).prop_map(|(vol, blk, n)| COp::Write { vol, blk, n }),
+        2 => any::<usize>().prop_map(|vol| COp::Flush { vol }),
+        2 => any::<usize>().prop_map(|vol| COp::Snapshot { vol }),
+        2 => any::<usize>().prop_map(|vol| COp::Clone { vol }),
+        2 => any::<usize>().prop_map(|vol| COp::Delete { vol }),
+        1 => (any::<usize>(), 1u64..5).prop_map(|(vol, clusters)| COp::Resize { vol, clusters }),
+        1 => Just(COp::Reopen),
+    ]
+}
+
+/// Relations the random workload needs to predict which operations are refused.
+#[derive(Default)]
+struct Rel {
+    ro: std::collections::BTreeSet<String>,
+    parent: BTreeMap<String, String>,
+    next: u64,
+}
+
+fn random_workload(
+    dev: &FaultDev,
+    lvs: &mut Option<LvStore>,
+    m: &mut Model,
+    rel: &mut Rel,
+    ops: &[COp],
+) -> Result<(), Stop> {
+    for op in ops {
+        let names: Vec<String> = m.vols.keys().cloned().collect();
+        let pick = |i: usize| names.get(i % names.len().max(1)).cloned();
+        let l = lvs.as_ref().ok_or(Stop)?;
+        match op {
+            COp::Create { thin, clusters } => {
+                rel.next += 1;
+                let name = format!("v{}", rel.next);
+                let mut v = VolM::new(clusters * CS);
+                v.exists_certain = false;
+                m.vols.insert(name.clone(), v);
+                md(m, l.create_lvol(&name, clusters * CS, *thin))?;
+                m.vols.get_mut(&name).unwrap().exists_certain = true;
+            }
+            COp::Write { vol, blk, n } => {
+                let Some(name) = pick(*vol) else { continue };
+                if rel.ro.contains(&name) {
+                    continue;
+                }
+                let len = m.vols[&name].blocks.len();
+                let blk = blk % len;
+                let n = (*n).min(len - blk);
+                w(l, m, &name, blk, n)?;
+            }
+            COp::Flush { vol } => {
+                let Some(name) = pick(*vol) else { continue };
+                flush(l, m, &name)?;
+            }
+            COp::Snapshot { vol } => {
+                let Some(name) = pick(*vol) else { continue };
+                if rel.ro.contains(&name) {
+                    continue;
+                }
+                rel.next += 1;
+                let s = format!("s{}", rel.next);
+                let mut sm = m.vols[&name].clone();
+                sm.exists_certain = false;
+                m.vols.insert(s.clone(), sm);
+                md(m, l.snapshot(&name, &s))?;
+                m.vols.get_mut(&s).unwrap().exists_certain = true;
+                if let Some(p) = rel.parent.get(&name).cloned() {
+                    rel.parent.insert(s.clone(), p);
+                }
+                rel.parent.insert(name, s.clone());
+                rel.ro.insert(s);
+            }
+            COp::Clone { vol } => {
+                let Some(name) = pick(*vol) else { continue };
+                if !rel.ro.contains(&name) {
+                    continue;
+                }
+                rel.next += 1;
+                let c = format!("c{}", rel.next);
+                let mut cm = m.vols[&name].clone();
+                cm.exists_certain = false;
+                m.vols.insert(c.clone(), cm);
+                md(m, l.clone(&name, &c))?;
+                m.vols.get_mut(&c).unwrap().exists_certain = true;
+                rel.parent.insert(c, name);
+            }
+            COp::Delete { vol } => {
+                let Some(name) = pick(*vol) else { continue };
+                let clones: Vec<String> = rel
+                    .parent
+                    .iter()
+                    .filter(|(_, p)| **p == name)
+                    .map(|(c, _)| c.clone())
+                    .collect();
+                if clones.len() > 1 {
+                    continue;
+                }
+                m.vols.get_mut(&name).unwrap().exists_certain = false;
+                md(m, l.delete(&name))?;
+                m.vols.remove(&name);
+                let gp = rel.parent.remove(&name);
+                for c in clones {
+                    match &gp {
+                        Some(g) => rel.parent.insert(c, g.clone()),
+                        None => rel.parent.remove(&c),
+                    };
+                }
+                rel.ro.remove(&name);
+            }
+            COp::Resize { vol, clusters } => {
+                let Some(name) = pick(*vol) else { continue };
+                if rel.ro.contains(&name) {
+                    continue;
+                }
+                let nb = (clusters * CS) as usize / BLK;
+                let v = m.vols.get_mut(&name).unwrap();
+                let old = v.blocks.len();
+                v.sure_blocks = old.min(nb);
+                if nb > old {
+                    v.blocks.resize(nb, vec![0]);
+                }
+                md(m, l.resize(&name, clusters * CS))?;
+                let v = m.vols.get_mut(&name).unwrap();
+                v.blocks.truncate(nb);
+                v.sure_blocks = nb;
+            }
+            COp::Reopen => {
+                *lvs = None;
+                *lvs = Some(LvStore::open(dev.arc()).map_err(|_| Stop)?);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 32, ..Default::default() })]
+
+    #[test]
+    fn random_workload_crash(
+        ops in proptest::collection::vec(cop(), 1..25),
+        permille in 0u64..1000,
+        seed in 0u64..1000,
+    ) {
+        // Count the writes of a clean run, then crash at a point inside it.
+        let (dev, lvs) = fresh();
+        let base = dev.writes();
+        let mut m = Model::default();
+        let mut lvs = Some(lvs);
+        let clean = random_workload(&dev, &mut lvs, &mut m, &mut Rel::default(), &ops);
+        let total = dev.writes() - base;
+        drop(lvs);
+        proptest::prop_assume!(clean.is_ok());
+        let n = total * permille / 1000;
+        let (dev, lvs) = fresh();
+        dev.fail_after(n);
+        let mut m = Model::default();
+        let mut lvs = Some(lvs);
+        let _ = random_workload(&dev, &mut lvs, &mut m, &mut Rel::default(), &ops);
+        drop(lvs);
+        let mode = if seed % 2 == 0 { CrashMode::KeepAll } else { CrashMode::Random(seed) };
+        let ctx = format!("crash after write {n}/{total} ({mode:?})");
+        let d2 = FaultDev::from_image(dev.crash_image(mode));
+        let lvs = LvStore::open(d2.arc()).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
+        verify(&lvs, &m, &ctx);
+        drop(lvs);
+        let lvs = LvStore::open(d2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+        verify(&lvs, &m, &ctx);
+    }
+}

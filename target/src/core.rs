@@ -207,10 +207,10 @@ impl Target {
                         .iter()
                         .any(|s| s.lvs.name() == lvs.name() || s.lvs.uuid() == lvs.uuid())
                     {
-                        warn!(bdev = %name, lvs = lvs.name(), "lvstore with the same name or uuid already open; not loaded");
+                        warn!(bdev = %name, lvs = %lvs.name(), "lvstore with the same name or uuid already open; not loaded");
                         lvs.close();
                     } else {
-                        info!(bdev = %name, lvs = lvs.name(), lvols = lvs.list().len(), "lvstore loaded");
+                        info!(bdev = %name, lvs = %lvs.name(), lvols = lvs.list().len(), "lvstore loaded");
                         inner.stores.push(Store {
                             lvs: Arc::new(lvs),
                             base: name.clone(),
@@ -492,7 +492,7 @@ impl Target {
             ));
         }
         let s = inner.stores.remove(i);
-        let name = s.lvs.name().to_string();
+        let name = s.lvs.name();
         match Arc::try_unwrap(s.lvs) {
             Ok(lvs) => lvs.destroy().map_err(lvol_err)?,
             Err(lvs) => {
@@ -511,12 +511,36 @@ impl Target {
         let i = inner
             .store_index(sel.key()?)
             .ok_or_else(SpdkError::no_such_device)?;
+        // Pick up a grown file or disk first (SPDK needs a separate bdev_aio_rescan).
+        if let Some(b) = inner.bdevs.get(&inner.stores[i].base) {
+            b.dev
+                .rescan()
+                .map_err(|e| SpdkError::internal(format!("rescan: {e}")))?;
+        }
         let n = inner.stores[i].lvs.grow().map_err(lvol_err)?;
         info!(
             lvs = inner.stores[i].lvs.name(),
             clusters = n,
             "lvstore grown"
         );
+        Ok(true)
+    }
+
+    /// `bdev_lvol_rename_lvstore`.
+    pub fn rename_lvstore(&self, p: &RenameParams) -> Result<bool, SpdkError> {
+        let inner = self.lock()?;
+        valid_name("lvstore", &p.new_name)?;
+        let i = inner
+            .store_index(LvstoreKey::Name(&p.old_name))
+            .ok_or_else(SpdkError::no_such_device)?;
+        if inner.stores.iter().any(|s| s.lvs.name() == p.new_name) {
+            return Err(SpdkError::exists());
+        }
+        inner.stores[i]
+            .lvs
+            .rename_store(&p.new_name)
+            .map_err(lvol_err)?;
+        info!(old = %p.old_name, new = %p.new_name, "lvstore renamed");
         Ok(true)
     }
 

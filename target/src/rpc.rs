@@ -162,16 +162,9 @@ pub fn router(ctx: Ctx) -> Router {
         .get_lvstores(&p));
     let r = route!(r, ctx, BdevLvolDeleteLvstore, true, |t, p| t
         .delete_lvstore(&p));
-    let r = route!(
-        r,
-        ctx,
-        BdevLvolRenameLvstore,
-        true,
-        |_t, _p| Err::<bool, _>(SpdkError::new(
-            -libc::ENOTSUP,
-            "Operation not supported: lvstore rename"
-        ))
-    );
+    let r = route!(r, ctx, BdevLvolRenameLvstore, true, |t, p| t
+        .rename_lvstore(&p));
+
     let r = route!(r, ctx, BdevLvolGrowLvstore, true, |t, p| t.grow_lvstore(&p));
     let r = route!(r, ctx, BdevLvolCreate, true, |t, p| t.create_lvol(&p));
     let r = route!(r, ctx, BdevLvolGetLvols, false, |t, p| t.get_lvols(&p));

@@ -295,3 +295,45 @@ fn snapshot_clone_resize_through_the_target() {
         .is_not_found());
     assert!(r.block_on(rpc.bdev_get_bdev("nope")).unwrap().is_none());
 }
+
+#[test]
+fn rename_and_grow_lvstore() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 64);
+    let t = Target::start(dir.path(), &[]);
+    let rpc = RpcClient::new(&t.rpc);
+    provision(&rpc, &img, true);
+    let r = rt();
+    r.block_on(rpc.bdev_lvol_rename_lvstore("lvs0", "fast"))
+        .unwrap();
+    let b = r.block_on(rpc.bdev_get_bdevs(Some("fast/vol"))).unwrap();
+    assert_eq!(b[0].aliases, vec!["fast/vol".to_string()]);
+    assert!(r.block_on(rpc.bdev_get_bdev("lvs0/vol")).unwrap().is_none());
+    assert!(r
+        .block_on(rpc.bdev_lvol_rename_lvstore("nope", "x"))
+        .unwrap_err()
+        .is_not_found());
+    let before = r
+        .block_on(rpc.bdev_lvol_get_lvstores(&LvstoreSelector::by_name("fast")))
+        .unwrap();
+    // Grow the file under the store; grow_lvstore picks the new size up.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(128 << 20)
+        .unwrap();
+    r.block_on(rpc.bdev_lvol_grow_lvstore(&LvstoreSelector::by_name("fast")))
+        .unwrap();
+    let after = r
+        .block_on(rpc.bdev_lvol_get_lvstores(&LvstoreSelector::by_name("fast")))
+        .unwrap();
+    assert!(
+        after[0].total_data_clusters >= before[0].total_data_clusters + 60,
+        "{before:?} {after:?}"
+    );
+    assert_eq!(
+        after[0].free_clusters - before[0].free_clusters,
+        after[0].total_data_clusters - before[0].total_data_clusters
+    );
+}
