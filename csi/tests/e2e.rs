@@ -1185,3 +1185,49 @@ async fn distinct_minors_and_driver_restart() {
     }
     assert!(e.driver.store.device_nodes().unwrap().is_empty());
 }
+
+/// The filesystem formatter writes only mkfs's data extents, so a new lvol must read zeros
+/// where it does not write — also when its clusters belonged to a deleted volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_thick_volume_reads_zeros_over_reused_clusters() {
+    let mut e = Env::start().await;
+    for round in 0..2u8 {
+        let name = format!("pvc-reuse{round}");
+        let v = e
+            .controller
+            .create_volume(create_req(&name, 32 << 20))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let tp = e.target_path(&name);
+        e.node
+            .node_publish_volume(publish_req(&v.volume_id, &tp, block_cap(), false))
+            .await
+            .unwrap();
+        let s = e.store().join("block/sockets").join(ctrlr(&v.volume_id));
+        blk(move || {
+            let mut c = Blk::connect(&s, false).unwrap();
+            for off in (0..c.capacity).step_by(1 << 20) {
+                let got = c.read(off, 1 << 20);
+                if round == 1 {
+                    assert!(got.iter().all(|b| *b == 0), "stale data at {off}");
+                }
+                assert_eq!(c.write(off, &pattern(round + 1, 1 << 20)), 0);
+            }
+        })
+        .await;
+        e.node
+            .node_unpublish_volume(unpublish_req(&v.volume_id, &tp))
+            .await
+            .unwrap();
+        e.controller
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: v.volume_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+}
