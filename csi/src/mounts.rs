@@ -43,6 +43,25 @@ fn parse_mountinfo(text: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The file names of `block/devices/*` entries that are bind-mounted somewhere (mountinfo
+/// field 4, the mount's root inside its filesystem, ends with `block/devices/<name>`).
+pub fn bound_device_names() -> Result<std::collections::BTreeSet<String>> {
+    let p = Path::new("/proc/self/mountinfo");
+    let text = std::fs::read_to_string(p).map_err(|e| CsiError::io("read", p, e))?;
+    Ok(parse_bound_devices(&text))
+}
+
+fn parse_bound_devices(text: &str) -> std::collections::BTreeSet<String> {
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(3))
+        .map(unescape)
+        .filter_map(|root| {
+            let (dir, name) = root.rsplit_once('/')?;
+            dir.ends_with("block/devices").then(|| name.to_owned())
+        })
+        .collect()
+}
+
 /// True if `path` is a mount point.
 pub fn is_mount_point(path: &Path) -> Result<bool> {
     Ok(mount_points()?.iter().any(|m| m == path))
@@ -135,6 +154,14 @@ mod tests {
             ]
         );
         assert_eq!(unescape("a\\134b"), "a\\b");
+        let b = parse_bound_devices(
+            "50 27 0:23 /kata-containers/vhost-user/block/devices/ctrlr-1 /var/lib/kubelet/p rw - tmpfs tmpfs rw\n\
+             51 27 0:23 /other/file /x rw - tmpfs tmpfs rw\n",
+        );
+        assert_eq!(
+            b.into_iter().collect::<Vec<_>>(),
+            vec!["ctrlr-1".to_string()]
+        );
         assert_eq!(unescape("tail\\04"), "tail\\04");
         assert!(is_mount_point(Path::new("/")).unwrap() || !Path::new("/proc/self").exists());
     }

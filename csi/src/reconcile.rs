@@ -27,6 +27,26 @@ pub struct Report {
     pub orphan_nodes: Vec<String>,
     /// Publications whose lvol is missing.
     pub missing_volumes: Vec<String>,
+    /// Unrecorded controllers kept because something uses them.
+    pub kept_in_use: Vec<String>,
+}
+
+/// Controller names referenced by `mountInfo.json` files in the direct-volumes directory.
+fn direct_volume_ctrlrs(d: &Driver) -> Vec<String> {
+    let sockets = d.store.sockets_dir();
+    let Ok(rd) = std::fs::read_dir(&d.cfg.direct_volumes_dir) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| std::fs::read(e.path().join("mountInfo.json")).ok())
+        .filter_map(|b| serde_json::from_slice::<crate::kata::MountInfo>(&b).ok())
+        .filter_map(|m| {
+            let p = std::path::PathBuf::from(m.device);
+            (p.parent() == Some(sockets.as_path()))
+                .then(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .flatten()
+        })
+        .collect()
 }
 
 const PREFIX: &str = "ctrlr-";
@@ -43,11 +63,17 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
     let wanted: std::collections::BTreeSet<String> =
         published.values().map(|p| p.ctrlr.clone()).collect();
 
+    // In use without a record (e.g. the state file was lost): still bind-mounted into a pod,
+    // or named by a Kata direct-volume mountInfo.json. Never removed.
+    let mut in_use = crate::mounts::bound_device_names()?;
+    in_use.extend(direct_volume_ctrlrs(d));
     // Orphans first: one may hold the bdev a recorded controller needs.
     for c in ctrls.iter().filter(|c| c.ctrlr.starts_with(PREFIX)) {
         if !wanted.contains(&c.ctrlr) {
-            if !c.sessions.is_empty() {
-                tracing::warn!(ctrlr = %c.ctrlr, "unrecorded controller has a live session; kept");
+            if !c.sessions.is_empty() || in_use.contains(&c.ctrlr) {
+                tracing::warn!(ctrlr = %c.ctrlr, "unrecorded controller is in use; kept");
+                d.metrics.reconciled("orphan_in_use_kept");
+                rep.kept_in_use.push(c.ctrlr.clone());
                 continue;
             }
             tracing::info!(ctrlr = %c.ctrlr, "deleting orphaned controller");
@@ -98,7 +124,7 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
     {
         let _m = d.minors.lock().await;
         for name in d.store.device_nodes()?.keys() {
-            if name.starts_with(PREFIX) && !wanted.contains(name) {
+            if name.starts_with(PREFIX) && !wanted.contains(name) && !in_use.contains(name) {
                 tracing::info!(node = %name, "removing orphaned device node");
                 d.store.remove_device_node(name)?;
                 d.metrics.reconciled("orphan_node_removed");

@@ -1154,6 +1154,19 @@ async fn distinct_minors_and_driver_restart() {
     for i in 0..4 {
         assert!(katablk_csi::mounts::is_mount_point(&e.target_path(&format!("m{i}"))).unwrap());
     }
+    // The state file is lost: everything is still bind-mounted into pods, so nothing is
+    // removed.
+    std::fs::remove_file(e.driver.cfg.state_dir.join("published.json")).unwrap();
+    let d3 = katablk_csi::Driver::new(e.driver.cfg.clone()).unwrap();
+    let rep = katablk_csi::reconcile::reconcile(&d3).await.unwrap();
+    assert_eq!(rep.kept_in_use.len(), 4, "{rep:?}");
+    assert!(rep.orphan_controllers.is_empty() && rep.orphan_nodes.is_empty());
+    assert_eq!(d3.store.device_nodes().unwrap(), nodes);
+    drop(d3);
+    // Put the records back (the test's driver still has them in memory).
+    for (k, v) in e.driver.state.published.all() {
+        e.driver.state.published.insert(&k, v).unwrap();
+    }
     // A freed minor is reused by the next publish.
     e.node
         .node_unpublish_volume(unpublish_req(&ids[1], &e.target_path("m1")))
