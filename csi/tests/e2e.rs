@@ -235,6 +235,8 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
     r.volume_capabilities = vec![mount_cap()];
     r.parameters
         .insert("csi.storage.k8s.io/fstype".into(), "ext4".into());
+    r.parameters.insert("cpumask".into(), "0x1".into());
+    r.parameters.insert("thinProvision".into(), "true".into());
     let v = e
         .controller
         .create_volume(r)
@@ -244,13 +246,50 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
         .volume
         .unwrap();
     assert_eq!(v.volume_context["fstype"], "ext4");
+    assert_eq!(v.volume_context["cpumask"], "0x1");
     let tp = e.target_path("fs1");
     std::fs::create_dir_all(tp.parent().unwrap()).unwrap();
-    e.node
-        .node_publish_volume(publish_req(&v.volume_id, &tp, mount_cap(), false))
+    let mut pr = publish_req(&v.volume_id, &tp, mount_cap(), false);
+    pr.volume_context = v.volume_context.clone();
+    e.node.node_publish_volume(pr).await.unwrap();
+    assert!(tp.is_dir());
+    let c = e
+        .driver
+        .rpc
+        .vhost_get_controllers(Some(&ctrlr(&v.volume_id)))
         .await
         .unwrap();
-    assert!(tp.is_dir());
+    assert_eq!(c[0].cpumask, "0x1");
+    // A thin volume: formatting allocated only a few clusters of the 64 MiB.
+    let st = e
+        .node
+        .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+            volume_id: v.volume_id.clone(),
+            volume_path: tp.display().to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.usage[0].used < st.usage[0].total, "{:?}", st.usage);
+    assert!(!st.volume_condition.unwrap().abnormal);
+    // Expanding a filesystem volume asks for node expansion.
+    let ex = e
+        .controller
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 96 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(mount_cap()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ex.node_expansion_required);
+    assert_eq!(ex.capacity_bytes, 96 << 20);
     let sock = e.store().join("block/sockets").join(ctrlr(&v.volume_id));
     let info = katablk_csi::kata::read_mount_info(&e.direct(), &tp).unwrap();
     assert_eq!(info.volume_type, "spdkvol");
