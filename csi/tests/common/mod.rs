@@ -192,6 +192,18 @@ impl Env {
     }
 }
 
+impl Drop for Env {
+    /// A failed test must not leave bind mounts behind under the temp dir.
+    fn drop(&mut self) {
+        self.server.abort();
+        if let Ok(mps) = katablk_csi::mounts::mount_points() {
+            for m in mps.iter().rev().filter(|m| m.starts_with(self.dir.path())) {
+                let _ = katablk_csi::mounts::unmount(m);
+            }
+        }
+    }
+}
+
 /// A tonic channel over a unix socket (waits for it to appear).
 pub async fn channel(path: &Path) -> Channel {
     let t0 = Instant::now();
