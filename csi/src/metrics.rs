@@ -1,0 +1,157 @@
+//! Prometheus metrics: per-method operation counts by result code, error counts and latency.
+//! Served in the text exposition format on `--metrics ADDR` at any path.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// (method, grpc code) → count.
+    ops: BTreeMap<(&'static str, String), u64>,
+    /// method → (count, sum of seconds).
+    latency: BTreeMap<&'static str, (u64, f64)>,
+    /// Reconciliation actions by kind.
+    reconcile: BTreeMap<&'static str, u64>,
+}
+
+/// Counters shared by all services.
+#[derive(Debug, Default, Clone)]
+pub struct Metrics {
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl Metrics {
+    /// Empty counters.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Records one finished CSI call.
+    pub fn observe(&self, method: &'static str, code: tonic::Code, took: Duration) {
+        self.with(|i| {
+            *i.ops.entry((method, format!("{code:?}"))).or_default() += 1;
+            let l = i.latency.entry(method).or_default();
+            l.0 += 1;
+            l.1 += took.as_secs_f64();
+        });
+    }
+
+    /// Records one reconciliation action (`controller_restored`, `orphan_removed`, ...).
+    pub fn reconciled(&self, what: &'static str) {
+        self.with(|i| *i.reconcile.entry(what).or_default() += 1);
+    }
+
+    /// The count of calls of `method` that ended with `code`.
+    pub fn count(&self, method: &str, code: tonic::Code) -> u64 {
+        let code = format!("{code:?}");
+        self.with(|i| {
+            i.ops
+                .iter()
+                .filter(|((m, c), _)| *m == method && *c == code)
+                .map(|(_, n)| *n)
+                .sum()
+        })
+    }
+
+    /// The metrics in Prometheus text format.
+    pub fn render(&self) -> String {
+        self.with(|i| {
+            let mut s = String::new();
+            s.push_str("# HELP katablk_csi_operations_total CSI calls by method and gRPC code.\n");
+            s.push_str("# TYPE katablk_csi_operations_total counter\n");
+            for ((m, c), n) in &i.ops {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_operations_total{{method=\"{m}\",code=\"{c}\"}} {n}"
+                );
+            }
+            s.push_str("# HELP katablk_csi_operation_errors_total CSI calls that failed.\n");
+            s.push_str("# TYPE katablk_csi_operation_errors_total counter\n");
+            let mut errs: BTreeMap<&str, u64> = BTreeMap::new();
+            for ((m, c), n) in &i.ops {
+                if c != "Ok" {
+                    *errs.entry(m).or_default() += n;
+                }
+            }
+            for (m, n) in errs {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_operation_errors_total{{method=\"{m}\"}} {n}"
+                );
+            }
+            s.push_str("# HELP katablk_csi_operation_duration_seconds CSI call latency.\n");
+            s.push_str("# TYPE katablk_csi_operation_duration_seconds summary\n");
+            for (m, (n, sum)) in &i.latency {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_operation_duration_seconds_sum{{method=\"{m}\"}} {sum}"
+                );
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_operation_duration_seconds_count{{method=\"{m}\"}} {n}"
+                );
+            }
+            s.push_str("# HELP katablk_csi_reconcile_actions_total Reconciliation repairs.\n");
+            s.push_str("# TYPE katablk_csi_reconcile_actions_total counter\n");
+            for (w, n) in &i.reconcile {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_reconcile_actions_total{{action=\"{w}\"}} {n}"
+                );
+            }
+            s
+        })
+    }
+
+    /// Serves the metrics over HTTP/1.0 on `addr` until the task is dropped.
+    pub async fn serve(self, addr: SocketAddr) -> std::io::Result<()> {
+        let l = TcpListener::bind(addr).await?;
+        tracing::info!(%addr, "metrics endpoint listening");
+        loop {
+            let (mut sock, _) = l.accept().await?;
+            let m = self.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await;
+                let body = m.render();
+                let resp = format!(
+                    "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = sock.write_all(resp.as_bytes()).await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters() {
+        let m = Metrics::new();
+        m.observe("CreateVolume", tonic::Code::Ok, Duration::from_millis(3));
+        m.observe(
+            "CreateVolume",
+            tonic::Code::NotFound,
+            Duration::from_millis(1),
+        );
+        m.reconciled("controller_restored");
+        let t = m.render();
+        assert!(t.contains("katablk_csi_operations_total{method=\"CreateVolume\",code=\"Ok\"} 1"));
+        assert!(t.contains("katablk_csi_operation_errors_total{method=\"CreateVolume\"} 1"));
+        assert!(t.contains("katablk_csi_reconcile_actions_total{action=\"controller_restored\"} 1"));
+        assert_eq!(m.count("CreateVolume", tonic::Code::NotFound), 1);
+    }
+}

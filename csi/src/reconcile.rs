@@ -1,0 +1,141 @@
+//! Reconciliation: after a driver or target restart, make the target's controllers and the
+//! store's device nodes match what this node published (the state file), without deleting
+//! anything in use.
+//!
+//! - A recorded publication whose lvol exists gets its controller back (same name, so the same
+//!   socket path the VM reconnects to), its device node and, for block volumes, its bind mount.
+//! - A recorded publication whose lvol is gone is kept and reported (its pod still references
+//!   it; unpublish cleans it up).
+//! - Controllers named `ctrlr-*` (this driver's prefix) that no record mentions are deleted;
+//!   so are `ctrlr-*` device nodes without a record. Others' controllers and nodes are left.
+
+use std::sync::Arc;
+
+use crate::driver::Driver;
+use crate::error::{CsiError, Result};
+use crate::node::{delete_controller, ensure_controller, publish_block_target};
+use crate::volume::LvolId;
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Controllers re-created.
+    pub restored: Vec<String>,
+    /// Orphaned controllers deleted.
+    pub orphan_controllers: Vec<String>,
+    /// Orphaned device nodes removed.
+    pub orphan_nodes: Vec<String>,
+    /// Publications whose lvol is missing.
+    pub missing_volumes: Vec<String>,
+}
+
+const PREFIX: &str = "ctrlr-";
+
+/// One reconciliation pass.
+pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
+    let mut rep = Report::default();
+    let published = d.state.published.all();
+    let ctrls = d
+        .rpc
+        .vhost_get_controllers(None)
+        .await
+        .map_err(CsiError::rpc("vhost_get_controllers"))?;
+    let wanted: std::collections::BTreeSet<String> =
+        published.values().map(|p| p.ctrlr.clone()).collect();
+
+    // Orphans first: one may hold the bdev a recorded controller needs.
+    for c in ctrls.iter().filter(|c| c.ctrlr.starts_with(PREFIX)) {
+        if !wanted.contains(&c.ctrlr) {
+            if !c.sessions.is_empty() {
+                tracing::warn!(ctrlr = %c.ctrlr, "unrecorded controller has a live session; kept");
+                continue;
+            }
+            tracing::info!(ctrlr = %c.ctrlr, "deleting orphaned controller");
+            delete_controller(d, &c.ctrlr).await?;
+            d.metrics.reconciled("orphan_controller_deleted");
+            rep.orphan_controllers.push(c.ctrlr.clone());
+        }
+    }
+    for (vid, p) in &published {
+        let Some(id) = LvolId::parse(vid) else {
+            continue;
+        };
+        let _g = d.locks.lock(vid).await;
+        // Re-read under the lock: an unpublish may have just finished.
+        let Some(p) = d.state.published.get(vid).filter(|q| q == p) else {
+            continue;
+        };
+        let Some(b) = d.lvol(&id).await? else {
+            tracing::warn!(volume_id = %vid, "published volume's lvol is missing");
+            rep.missing_volumes.push(vid.clone());
+            continue;
+        };
+        let had = ctrls.iter().any(|c| c.ctrlr == p.ctrlr);
+        ensure_controller(d, &id, &b, &p.ctrlr, p.readonly, p.cpumask.as_deref()).await?;
+        if !had {
+            tracing::info!(volume_id = %vid, ctrlr = %p.ctrlr, "controller restored");
+            d.metrics.reconciled("controller_restored");
+            rep.restored.push(p.ctrlr.clone());
+        }
+        if p.fstype.is_none() {
+            let minor = {
+                let _m = d.minors.lock().await;
+                d.store.ensure_device_node(&p.ctrlr, p.minor)?
+            };
+            if p.minor != Some(minor) {
+                tracing::warn!(volume_id = %vid, old = ?p.minor, minor,
+                    "device node re-created with another minor");
+                let mut q = p.clone();
+                q.minor = Some(minor);
+                d.state.published.insert(vid, q)?;
+            }
+            if p.target_path.parent().is_some_and(|x| x.exists()) {
+                publish_block_target(&d.store.device_path(&p.ctrlr), &p.target_path, p.readonly)?;
+            }
+        }
+    }
+
+    {
+        let _m = d.minors.lock().await;
+        for name in d.store.device_nodes()?.keys() {
+            if name.starts_with(PREFIX) && !wanted.contains(name) {
+                tracing::info!(node = %name, "removing orphaned device node");
+                d.store.remove_device_node(name)?;
+                d.metrics.reconciled("orphan_node_removed");
+                rep.orphan_nodes.push(name.clone());
+            }
+        }
+    }
+    Ok(rep)
+}
+
+/// Runs the node config watcher and reconciliation forever, every `cfg.reconcile_interval`.
+pub async fn run(d: Arc<Driver>) {
+    let mut watcher = d
+        .cfg
+        .node_config
+        .clone()
+        .map(crate::node_config::Watcher::new);
+    let mut target_was_down = true;
+    loop {
+        let up = d.rpc.spdk_get_version().await.is_ok() || d.lvstores().await.is_ok();
+        if up {
+            if let Some(w) = watcher.as_mut() {
+                if let Err(e) = w.poll(&d.rpc, target_was_down).await {
+                    tracing::error!(error = %e, "node config");
+                }
+            }
+            if d.cfg.mode.node() {
+                match reconcile(&d).await {
+                    Ok(r) if r != Report::default() => tracing::info!(?r, "reconciled"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "reconciliation pass failed"),
+                }
+            }
+        } else if !target_was_down {
+            tracing::warn!(rpc = %d.cfg.spdk_rpc.display(), "SPDK target does not answer");
+        }
+        target_was_down = !up;
+        tokio::time::sleep(d.cfg.reconcile_interval).await;
+    }
+}

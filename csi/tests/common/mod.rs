@@ -1,0 +1,353 @@
+//! Test harness: a real `katablk-target` child process, the driver served in-process on a unix
+//! socket, a tonic client over that socket, and a libblkio client for the data path.
+#![allow(clippy::unwrap_used, dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use katablk_csi::csi::{
+    self, controller_client::ControllerClient, identity_client::IdentityClient,
+    node_client::NodeClient, volume_capability as vc,
+};
+use katablk_csi::{Config, Driver, Mode};
+use tonic::transport::Channel;
+
+/// Finds the katablk-target binary built by `cargo build --workspace` (or `-p katablk-target`).
+pub fn target_bin() -> PathBuf {
+    let mut cands = Vec::new();
+    if let Ok(t) = std::env::var("KATABLK_TARGET_BIN") {
+        cands.push(PathBuf::from(t));
+    }
+    if let Ok(t) = std::env::var("CARGO_TARGET_DIR") {
+        cands.push(Path::new(&t).join("debug/katablk-target"));
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    cands.push(here.join("../build/debug/katablk-target"));
+    // Next to this test binary: <target-dir>/debug/deps/<test> → <target-dir>/debug/.
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(d) = exe.parent().and_then(Path::parent) {
+            cands.push(d.join("katablk-target"));
+        }
+    }
+    for c in &cands {
+        if c.is_file() {
+            return c.clone();
+        }
+    }
+    panic!(
+        "katablk-target binary not found (tried {cands:?}); run `cargo build -p katablk-target` \
+         (or the whole workspace) first, or set KATABLK_TARGET_BIN"
+    );
+}
+
+pub struct Target {
+    pub child: Option<Child>,
+    pub rpc: PathBuf,
+    pub sockets: PathBuf,
+    pub state: Option<PathBuf>,
+}
+
+impl Target {
+    pub fn start(rpc: &Path, sockets: &Path, state: Option<&Path>) -> Target {
+        let mut t = Target {
+            child: None,
+            rpc: rpc.into(),
+            sockets: sockets.into(),
+            state: state.map(Into::into),
+        };
+        t.spawn();
+        t
+    }
+
+    pub fn spawn(&mut self) {
+        std::fs::create_dir_all(&self.sockets).unwrap();
+        let _ = std::fs::remove_file(&self.rpc);
+        let mut c = Command::new(target_bin());
+        c.arg("-r").arg(&self.rpc).arg("-S").arg(&self.sockets);
+        if let Some(s) = &self.state {
+            c.arg("--state-dir").arg(s);
+        }
+        c.env("RUST_LOG", "warn").stdin(Stdio::null());
+        self.child = Some(c.spawn().unwrap());
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&self.rpc).is_err() {
+            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("katablk-target exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "target RPC socket did not appear"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Env {
+    pub dir: tempfile::TempDir,
+    pub target: Target,
+    pub driver: Arc<Driver>,
+    pub csi_sock: PathBuf,
+    pub identity: IdentityClient<Channel>,
+    pub controller: ControllerClient<Channel>,
+    pub node: NodeClient<Channel>,
+    pub server: tokio::task::JoinHandle<()>,
+}
+
+pub const DISK_SIZE: u64 = 512 << 20;
+
+impl Env {
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+    pub fn store(&self) -> PathBuf {
+        self.root().join("store")
+    }
+    pub fn kubelet(&self) -> PathBuf {
+        self.root().join("kubelet")
+    }
+    pub fn direct(&self) -> PathBuf {
+        self.root().join("direct")
+    }
+    pub fn target_path(&self, name: &str) -> PathBuf {
+        self.kubelet().join("pods").join(name).join("vol")
+    }
+
+    /// Target with a 512 MiB file declared as lvstore `lvs0` through a node config file.
+    pub async fn start() -> Env {
+        let dir = tempfile::Builder::new()
+            .prefix("kcsi")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let root = dir.path().to_path_buf();
+        let disk = root.join("disk.img");
+        std::fs::File::create(&disk)
+            .unwrap()
+            .set_len(DISK_SIZE)
+            .unwrap();
+        let nc = root.join("node.yaml");
+        std::fs::write(
+            &nc,
+            format!("devices:\n  - path: {}\n    lvs: lvs0\n", disk.display()),
+        )
+        .unwrap();
+        let rpc = root.join("spdk.sock");
+        let target = Target::start(&rpc, &root.join("store/block/sockets"), None);
+        let mut cfg = Config::new("node-a");
+        cfg.spdk_rpc = rpc;
+        cfg.vhost_user_store = root.join("store");
+        cfg.lvs = Some("lvs0".into());
+        cfg.mode = Mode::All;
+        cfg.node_config = Some(nc.clone());
+        cfg.kubelet_dir = root.join("kubelet");
+        cfg.direct_volumes_dir = root.join("direct");
+        cfg.state_dir = root.join("state");
+        std::fs::create_dir_all(&cfg.kubelet_dir).unwrap();
+        let driver = Driver::new(cfg).unwrap();
+        let mut w = katablk_csi::node_config::Watcher::new(nc);
+        assert!(
+            w.poll(&driver.rpc, true).await.unwrap(),
+            "node config applies"
+        );
+        Self::serve(dir, target, driver).await
+    }
+
+    pub async fn serve(dir: tempfile::TempDir, target: Target, driver: Arc<Driver>) -> Env {
+        let csi_sock = dir.path().join("csi.sock");
+        let ep = format!("unix://{}", csi_sock.display());
+        let d = driver.clone();
+        let server = tokio::spawn(async move {
+            katablk_csi::serve(d, &ep, None, std::future::pending())
+                .await
+                .unwrap();
+        });
+        let ch = channel(&csi_sock).await;
+        Env {
+            identity: IdentityClient::new(ch.clone()),
+            controller: ControllerClient::new(ch.clone()),
+            node: NodeClient::new(ch),
+            dir,
+            target,
+            driver,
+            csi_sock,
+            server,
+        }
+    }
+}
+
+/// A tonic channel over a unix socket (waits for it to appear).
+pub async fn channel(path: &Path) -> Channel {
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "CSI socket did not appear"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let p = path.to_path_buf();
+    tonic::transport::Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let p = p.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap()
+}
+
+pub fn spdk_params() -> HashMap<String, String> {
+    [("spdk".to_owned(), "true".to_owned())].into()
+}
+
+pub fn cap(block: bool, mode: vc::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(if block {
+            vc::AccessType::Block(vc::BlockVolume {})
+        } else {
+            vc::AccessType::Mount(vc::MountVolume {
+                fs_type: "ext4".into(),
+                ..Default::default()
+            })
+        }),
+        access_mode: Some(vc::AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn block_cap() -> csi::VolumeCapability {
+    cap(true, vc::access_mode::Mode::SingleNodeWriter)
+}
+
+pub fn mount_cap() -> csi::VolumeCapability {
+    cap(false, vc::access_mode::Mode::SingleNodeWriter)
+}
+
+pub fn create_req(name: &str, bytes: i64) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![block_cap()],
+        parameters: spdk_params(),
+        ..Default::default()
+    }
+}
+
+pub fn publish_req(
+    vol: &str,
+    target: &Path,
+    c: csi::VolumeCapability,
+    ro: bool,
+) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: vol.into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(c),
+        readonly: ro,
+        ..Default::default()
+    }
+}
+
+pub fn unpublish_req(vol: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: vol.into(),
+        target_path: target.display().to_string(),
+    }
+}
+
+/// A libblkio vhost-user-blk client.
+pub struct Blk {
+    pub b: Blkio,
+    pub q: Vec<Blkioq>,
+    pub region: MemoryRegion,
+    pub capacity: u64,
+}
+
+impl Blk {
+    pub fn connect(socket: &Path, read_only: bool) -> Result<Blk, blkio::Error> {
+        let mut b = Blkio::new("virtio-blk-vhost-user")?;
+        b.set_str("path", socket.to_str().unwrap())?;
+        b.set_bool("read-only", read_only)?;
+        b.connect()?;
+        b.set_i32("num-queues", 1)?;
+        b.set_i32("queue-size", 256)?;
+        let out = b.start()?;
+        let capacity = b.get_u64("capacity")?;
+        let region = b.alloc_mem_region(1 << 20)?;
+        b.map_mem_region(&region)?;
+        Ok(Blk {
+            b,
+            q: out.queues,
+            region,
+            capacity,
+        })
+    }
+
+    fn wait(&mut self) -> i32 {
+        let mut c = [std::mem::MaybeUninit::<Completion>::uninit()];
+        let mut t = Duration::from_secs(30);
+        let n = self.q[0].do_io(&mut c, 1, Some(&mut t), None).unwrap();
+        assert_eq!(n, 1, "request timed out");
+        // SAFETY: do_io initialised one completion.
+        unsafe { c[0].assume_init_ref() }.ret
+    }
+
+    pub fn write(&mut self, off: u64, data: &[u8]) -> i32 {
+        let buf = self.region.addr as *mut u8;
+        // SAFETY: the region is ours and at least data.len() (≤ 1 MiB) long.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len()) };
+        self.q[0].write(off, buf, data.len(), 0, ReqFlags::empty());
+        self.wait()
+    }
+
+    pub fn read(&mut self, off: u64, len: usize) -> Vec<u8> {
+        let buf = self.region.addr as *mut u8;
+        self.q[0].read(off, buf, len, 0, ReqFlags::empty());
+        assert_eq!(self.wait(), 0, "read failed");
+        let mut v = vec![0u8; len];
+        // SAFETY: the region holds `len` bytes just read.
+        unsafe { std::ptr::copy_nonoverlapping(buf, v.as_mut_ptr(), len) };
+        v
+    }
+}
+
+/// Runs a blocking libblkio closure off the async runtime.
+pub async fn blk<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+    match r {
+        Ok(_) => tonic::Code::Ok,
+        Err(s) => s.code(),
+    }
+}
