@@ -1,0 +1,189 @@
+//! `katablk-csi-ctl`: a small CSI client for operators and scripts (what kubelet and the
+//! external provisioner would send), over the driver's unix socket.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use katablk_csi::csi::{
+    self, controller_client::ControllerClient, identity_client::IdentityClient,
+    node_client::NodeClient, volume_capability as vc,
+};
+use tonic::transport::Channel;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "katablk-csi-ctl",
+    version,
+    about = "Talk CSI to katablk-csi over its unix socket"
+)]
+struct Args {
+    /// The driver's endpoint.
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    endpoint: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// GetPluginInfo and Probe.
+    Probe,
+    /// CreateVolume of a block volume (StorageClass parameter `spdk: "true"`, plus `-p k=v`).
+    Create {
+        /// Volume name.
+        name: String,
+        /// Size in MiB.
+        size_mib: i64,
+        /// Extra StorageClass parameters, `key=value`.
+        #[arg(short = 'p', long = "param")]
+        params: Vec<String>,
+    },
+    /// NodePublishVolume of a block volume at TARGET (a file path inside the kubelet dir).
+    Publish {
+        /// Volume id returned by `create`.
+        volume_id: String,
+        /// Target path.
+        target: PathBuf,
+        /// Publish read-only.
+        #[arg(long)]
+        readonly: bool,
+    },
+    /// NodeUnpublishVolume.
+    Unpublish {
+        /// Volume id.
+        volume_id: String,
+        /// Target path.
+        target: PathBuf,
+    },
+    /// DeleteVolume.
+    Delete {
+        /// Volume id.
+        volume_id: String,
+    },
+    /// ListVolumes.
+    List,
+}
+
+async fn channel(endpoint: &str) -> Result<Channel> {
+    let path = PathBuf::from(
+        endpoint
+            .strip_prefix("unix://")
+            .context("endpoint must be unix:///path")?,
+    );
+    let ch = tonic::transport::Endpoint::try_from("http://[::]:50051")?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let p = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }))
+        .await
+        .with_context(|| format!("cannot connect to {endpoint}"))?;
+    Ok(ch)
+}
+
+fn block_cap() -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(vc::AccessType::Block(vc::BlockVolume {})),
+        access_mode: Some(vc::AccessMode {
+            mode: vc::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    let ch = channel(&a.endpoint).await?;
+    match a.cmd {
+        Cmd::Probe => {
+            let mut id = IdentityClient::new(ch);
+            let info = id
+                .get_plugin_info(csi::GetPluginInfoRequest {})
+                .await?
+                .into_inner();
+            let probe = id.probe(csi::ProbeRequest {}).await?.into_inner();
+            println!(
+                "{} {} ready={:?}",
+                info.name, info.vendor_version, probe.ready
+            );
+        }
+        Cmd::Create {
+            name,
+            size_mib,
+            params,
+        } => {
+            let mut parameters: HashMap<String, String> =
+                [("spdk".to_owned(), "true".to_owned())].into();
+            for p in params {
+                let (k, v) = p.split_once('=').context("parameters are key=value")?;
+                parameters.insert(k.to_owned(), v.to_owned());
+            }
+            let r = ControllerClient::new(ch)
+                .create_volume(csi::CreateVolumeRequest {
+                    name,
+                    capacity_range: Some(csi::CapacityRange {
+                        required_bytes: size_mib << 20,
+                        limit_bytes: 0,
+                    }),
+                    volume_capabilities: vec![block_cap()],
+                    parameters,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let v = r.volume.context("no volume in the reply")?;
+            println!("{} {}", v.volume_id, v.capacity_bytes);
+        }
+        Cmd::Publish {
+            volume_id,
+            target,
+            readonly,
+        } => {
+            NodeClient::new(ch)
+                .node_publish_volume(csi::NodePublishVolumeRequest {
+                    volume_id,
+                    target_path: target.display().to_string(),
+                    volume_capability: Some(block_cap()),
+                    readonly,
+                    ..Default::default()
+                })
+                .await?;
+            println!("published at {}", target.display());
+        }
+        Cmd::Unpublish { volume_id, target } => {
+            NodeClient::new(ch)
+                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id,
+                    target_path: target.display().to_string(),
+                })
+                .await?;
+            println!("unpublished {}", target.display());
+        }
+        Cmd::Delete { volume_id } => {
+            ControllerClient::new(ch)
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    ..Default::default()
+                })
+                .await?;
+            println!("deleted {volume_id}");
+        }
+        Cmd::List => {
+            let r = ControllerClient::new(ch)
+                .list_volumes(csi::ListVolumesRequest::default())
+                .await?
+                .into_inner();
+            for e in r.entries {
+                if let Some(v) = e.volume {
+                    println!("{} {}", v.volume_id, v.capacity_bytes);
+                }
+            }
+        }
+    }
+    Ok(())
+}
