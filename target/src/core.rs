@@ -805,11 +805,25 @@ impl Target {
         Ok(true)
     }
 
-    /// `vhost_delete_controller`: in-flight requests finish and the socket is removed.
+    /// `vhost_delete_controller`: refused with -16 while a frontend is connected (as SPDK); a
+    /// frontend that is just disconnecting gets a second to go. In-flight requests finish and
+    /// the socket is removed.
     pub fn delete_controller(&self, name: &str) -> Result<bool, SpdkError> {
-        let c = {
+        let t0 = std::time::Instant::now();
+        let c = loop {
             let mut inner = self.lock()?;
-            inner.ctrlrs.remove(name).ok_or_else(vhost_no_device)?
+            let c = inner.ctrlrs.get(name).ok_or_else(vhost_no_device)?;
+            if !c.handle.is_connected() {
+                break inner.ctrlrs.remove(name).ok_or_else(vhost_no_device)?;
+            }
+            drop(inner);
+            if t0.elapsed() > std::time::Duration::from_secs(1) {
+                return Err(SpdkError::new(
+                    -libc::EBUSY,
+                    format!("Device or resource busy: controller {name} has a connected frontend"),
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
         };
         if let Err(e) = c.handle.stop() {
             warn!(ctrlr = %name, "controller stopped with an error: {e}");
@@ -833,7 +847,19 @@ impl Target {
                 delay_base_us: c.delay_base_us,
                 iops_threshold: c.iops_threshold,
                 socket: c.socket.display().to_string(),
-                sessions: Vec::new(),
+                sessions: if c.handle.is_connected() {
+                    vec![VhostSession {
+                        vid: 0,
+                        id: 0,
+                        name: format!("{}s0", c.name),
+                        started: true,
+                        max_queues: u32::from(self.settings.max_queues),
+                        inflight_task_cnt: 0,
+                        extra: Default::default(),
+                    }]
+                } else {
+                    Vec::new()
+                },
                 backend_specific: BackendSpecific {
                     block: Some(BlkBackend {
                         readonly: c.readonly,

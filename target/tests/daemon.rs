@@ -152,3 +152,36 @@ fn bad_json_rpc_input_gets_standard_errors() {
         ask(br#"{"jsonrpc":"2.0","id":9,"method":"spdk_get_version"}"#).contains("katablk-target")
     );
 }
+
+#[test]
+fn sessions_reported_and_delete_refused_while_connected() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Target::start(dir.path(), &[]);
+    let rpc = RpcClient::new(&t.rpc);
+    let r = rt();
+    r.block_on(rpc.bdev_malloc_create(&BdevMallocCreateParams {
+        num_blocks: 8192,
+        block_size: 512,
+        name: Some("M".into()),
+        ..Default::default()
+    }))
+    .unwrap();
+    r.block_on(
+        rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
+            ctrlr: "c".into(),
+            dev_name: "M".into(),
+            ..Default::default()
+        }),
+    )
+    .unwrap();
+    let c = Blk::connect(&t.ctrlr_socket("c")).unwrap();
+    let list = r.block_on(rpc.vhost_get_controllers(Some("c"))).unwrap();
+    assert_eq!(list[0].sessions.len(), 1);
+    assert!(list[0].sessions[0].started);
+    let e = r.block_on(rpc.vhost_delete_controller("c")).unwrap_err();
+    assert!(e.is_busy(), "{e}");
+    drop(c);
+    // Once the frontend is gone the delete goes through.
+    r.block_on(rpc.vhost_delete_controller("c")).unwrap();
+    assert!(!t.ctrlr_socket("c").exists());
+}

@@ -4,7 +4,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,6 +38,7 @@ pub struct VhostBlkServer {
     shared: Arc<DeviceShared>,
     stop: Arc<EventFd>,
     channel: BackendChannel,
+    connected: Arc<AtomicBool>,
 }
 
 /// Tells the connected frontend that the config space changed (e.g. the capacity after a
@@ -134,9 +135,15 @@ pub struct ServerHandle {
     thread: Option<std::thread::JoinHandle<Result<(), Error>>>,
     shared: Arc<DeviceShared>,
     channel: BackendChannel,
+    connected: Arc<AtomicBool>,
 }
 
 impl ServerHandle {
+    /// True while a frontend is connected.
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
     /// Tells the connected frontend that the device's config space changed (call it after the
     /// device was resized): the guest sees the new capacity. False if no frontend is connected
     /// or it gave no backend channel.
@@ -271,6 +278,7 @@ impl VhostBlkServer {
             shared,
             stop,
             channel: Arc::new(Mutex::new(None)),
+            connected: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -299,6 +307,7 @@ impl VhostBlkServer {
         let stop = self.shutdown_handle();
         let shared = self.shared.clone();
         let channel = self.channel.clone();
+        let connected = self.connected.clone();
         let thread = std::thread::Builder::new()
             .name("katablk-vhost".into())
             .spawn(move || self.run())
@@ -308,6 +317,7 @@ impl VhostBlkServer {
             thread: Some(thread),
             shared,
             channel,
+            connected,
         })
     }
 
@@ -350,6 +360,7 @@ impl VhostBlkServer {
                 }
             };
             info!("frontend connected");
+            self.connected.store(true, Ordering::Release);
             let stopped = self.serve_connection(stream);
             if let Ok(mut c) = self.channel.lock() {
                 *c = None;
@@ -357,6 +368,7 @@ impl VhostBlkServer {
             if let Ok(mut b) = self.backend.lock() {
                 b.disconnect();
             }
+            self.connected.store(false, Ordering::Release);
             info!("frontend disconnected");
             if stopped {
                 return Ok(());
