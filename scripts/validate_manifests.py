@@ -126,7 +126,38 @@ def consistency_errors(objs):
     return errs
 
 
+def render(kdir):
+    """A kustomize build of what deploy/ uses: resources, namespace, images, labels."""
+    k = yaml.safe_load(open(os.path.join(kdir, "kustomization.yaml")))
+    known = {"apiVersion", "kind", "resources", "namespace", "images", "labels"}
+    if set(k) - known:
+        sys.exit(f"built-in renderer: {kdir} uses {sorted(set(k) - known)}; install kustomize")
+    images = {i["name"]: i for i in k.get("images", [])}
+    labels = {}
+    for entry in k.get("labels", []):
+        labels.update(entry.get("pairs", {}))
+    docs = []
+    for res in k.get("resources", []):
+        for o in yaml.safe_load_all(open(os.path.join(kdir, res))):
+            if not o:
+                continue
+            if "namespace" in k and o["kind"] not in CLUSTER_SCOPED:
+                o["metadata"]["namespace"] = k["namespace"]
+            o["metadata"].setdefault("labels", {}).update(labels)
+            spec = pod_spec(o)
+            for c in (spec or {}).get("initContainers", []) + (spec or {}).get("containers", []):
+                name, _, tag = c["image"].partition(":")
+                if name in images:
+                    i = images[name]
+                    c["image"] = f"{i.get('newName', name)}:{i.get('newTag', tag or 'latest')}"
+            docs.append(o)
+    yaml.safe_dump_all(docs, sys.stdout, sort_keys=False)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":
+        render(sys.argv[2])
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemas", required=True)
     ap.add_argument("--versions", required=True)
