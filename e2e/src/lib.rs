@@ -18,9 +18,14 @@ pub enum Outcome {
     Skipped(String),
 }
 
-/// The workspace root (this crate's parent directory).
+/// The workspace root (this crate's parent directory). Cargo and nextest set
+/// `CARGO_MANIFEST_DIR` when they run a test; the path compiled in is the fallback (it goes stale
+/// when a build directory is shared between checkouts).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))
