@@ -26,3 +26,6 @@ if [ ! -x "$venv/bin/spdk-rpc" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check spdk==26.9
 fi
+
+# Offline Kubernetes schema validation of deploy/ (tests/manifests.rs).
+python3 -c 'import kubernetes_validate' 2>/dev/null || pip install -q --disable-pip-version-check kubernetes-validate
