@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Side-by-side benchmark of katablk-vhost and qemu-storage-daemon (QSD) over vhost-user-blk.
+# Side-by-side benchmark of katablk-vhost, qemu-storage-daemon (QSD) and katablk-target over
+# vhost-user-blk (the target and its lvol cases: see scripts/bench-target.sh).
 #
 # For every case (backing store) and workload, runs the servers ALTERNATELY
 # (katablk, qsd, katablk, qsd, ...) for ROUNDS rounds, each run on a freshly started
