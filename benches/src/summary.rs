@@ -123,6 +123,14 @@ pub struct LvolRatio {
     pub server_cpu_per_io: Option<f64>,
     /// Whether `iops` ≥ [`LVOL_GOAL`] (thick lvol cases only).
     pub within_goal: Option<bool>,
+    /// The same IOPS ratio of a server that serves the same backend in both cases (e.g.
+    /// katablk-vhost's `--file` in lvol-file and aio-file): an A/A estimate of the noise
+    /// between the two cases' measurement times.
+    #[serde(default)]
+    pub control_iops: Option<f64>,
+    /// That server.
+    #[serde(default)]
+    pub control_server: Option<String>,
 }
 
 /// The whole summary, written as `summary.json`.
@@ -320,7 +328,21 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                     continue;
                 };
                 let iops = ratio(l.iops, b.iops);
+                let control = if lcase.starts_with("lvol-") {
+                    servers
+                        .iter()
+                        .filter(|s| !LVOL_SERVERS.contains(&s.as_str()))
+                        .find_map(|s| {
+                            let a = find(lcase, workload, s)?;
+                            let r = find(&b.case, workload, s)?;
+                            Some((s.clone(), ratio(a.iops, r.iops)?))
+                        })
+                } else {
+                    None
+                };
                 lvol_ratios.push(LvolRatio {
+                    control_iops: control.as_ref().map(|c| c.1),
+                    control_server: control.map(|c| c.0),
                     server: server.clone(),
                     case: lcase.to_string(),
                     raw_case: b.case.clone(),
@@ -472,13 +494,15 @@ impl Summary {
                 "Goal: a thick lvol within 5 % of its raw backing device (IOPS ratio ≥ {LVOL_GOAL:.2}), \
                  notably at 4 KiB QD32. thin-first-write / lvol-file compares writes to a fresh thin \
                  lvol (allocating) with the thick lvol. The two cases ran minutes apart, not \
-                 alternated: read small differences with the A/A noise in mind.\n"
+                 alternated. The last column is the same ratio for a server that serves the same \
+                 backend in both cases (katablk-vhost, QSD): far from 1.000 means the machine \
+                 changed between the cases and the lvol ratio is not trustworthy.\n"
             );
             let _ = writeln!(
                 o,
-                "| server | lvol case | raw case | workload | IOPS | p50 | p99 | server CPU/IO | goal |"
+                "| server | lvol case | raw case | workload | IOPS | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
             );
-            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---|");
+            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---|---:|");
             for l in &self.lvol_ratios {
                 let goal = match l.within_goal {
                     Some(true) => "met",
@@ -487,7 +511,7 @@ impl Summary {
                 };
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {goal} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
                     l.server,
                     l.case,
                     l.raw_case,
@@ -496,6 +520,10 @@ impl Summary {
                     fmt_opt(l.lat_p50, 2),
                     fmt_opt(l.lat_p99, 2),
                     fmt_opt(l.server_cpu_per_io, 2),
+                    match (&l.control_server, l.control_iops) {
+                        (Some(s), Some(x)) => format!("{x:.3} ({s})"),
+                        _ => String::new(),
+                    },
                 );
             }
         }
