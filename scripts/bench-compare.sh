@@ -64,6 +64,7 @@ cleanup() {
         SERVER_PID=""
     fi
     rm -rf "$SOCK_DIR"
+    case " $CASES " in *" thin-first-write "*) rm -f "$THIN_IMG" ;; esac
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
