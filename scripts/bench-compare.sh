@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Side-by-side benchmark of katablk-vhost and qemu-storage-daemon (QSD) over vhost-user-blk.
+# Side-by-side benchmark of katablk-vhost, qemu-storage-daemon (QSD) and katablk-target over
+# vhost-user-blk (the target and its lvol cases: see scripts/bench-target.sh).
 #
 # For every case (backing store) and workload, runs the servers ALTERNATELY
 # (katablk, qsd, katablk, qsd, ...) for ROUNDS rounds, each run on a freshly started
@@ -13,6 +14,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 
 KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/build/release/katablk-vhost} # server under test
 QSD=${QSD:-qemu-storage-daemon}                  # the reference server
+KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/build/release/katablk-target} # the embedded target
 BENCH_BIN_DIR=${BENCH_BIN_DIR:-$CARGO_TARGET_DIR/release}
 BUILD=${BUILD:-1}                                # 1: cargo build --release -p katablk-bench first
 NAME=${NAME:-$(date -u +%Y%m%d-%H%M%S)}
@@ -21,9 +23,10 @@ RUNTIME=${RUNTIME:-5}                            # measured seconds per run
 RAMP=${RAMP:-1}                                  # warm-up seconds per run (not measured)
 ROUNDS=${ROUNDS:-3}
 IDLE_SECS=${IDLE_SECS:-3}                        # idle-CPU measurement per case and server (0: skip)
-CASES=${CASES:-"file ram"}                       # any of: file ram tmpfs null
+CASES=${CASES:-"file ram"}                       # any of: file ram tmpfs null aio-file lvol-file
+                                                 # malloc lvol-ram thin-first-write
 WORKLOADS=${WORKLOADS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8 randread-4k-qd32-2q"}
-SERVERS=${SERVERS:-"katablk qsd"}                # run order within a round; qsd2, qsd3...
+SERVERS=${SERVERS:-"katablk qsd"}                # run order within a round (katablk qsd target); qsd2, qsd3...
                                                  # are extra QSD instances (A/A noise check)
 CANDIDATE=${CANDIDATE:-katablk}                  # ratios are CANDIDATE / BASELINE
 BASELINE=${BASELINE:-qsd}
@@ -38,6 +41,16 @@ NUM_QUEUES=${NUM_QUEUES:-2}                      # queues every server exports
 POLL=${POLL:-event}                              # client completion wait: event | busy
 KATABLK_EXTRA=${KATABLK_EXTRA:-}                 # extra katablk-vhost arguments, e.g. "--poll-us 50"
 QSD_EXTRA=${QSD_EXTRA:-}                         # extra qemu-storage-daemon arguments
+TARGET_EXTRA=${TARGET_EXTRA:-}                   # extra katablk-target arguments, e.g. "--poll-us 0"
+TARGET_CPUMASK=${TARGET_CPUMASK:-}               # controller cpumask (default: the target's, 0x1)
+LVOL_IMG=${LVOL_IMG:-/var/tmp/katablk-bench-lvol.img} # lvol-file: lvstore on a copy of FILE_IMG
+LVS_SLACK_MIB=${LVS_SLACK_MIB:-16}               # extra MiB of lvstore devices (metadata), so the
+                                                 # thick lvol is IMG_MIB like the raw device
+THIN_IMG=${THIN_IMG:-/var/tmp/katablk-bench-thin.img} # thin-first-write: fresh sparse file per run
+THIN_MIB=${THIN_MIB:-$IMG_MIB}                   # thin lvol size
+THIN_CLUSTER=${THIN_CLUSTER:-}                   # thin lvstore cluster_sz in bytes (default 4 MiB)
+THIN_WORKLOADS=${THIN_WORKLOADS:-randwrite-4k-qd32} # workloads of thin-first-write (run with RAMP 0)
+PREFILL_SECS=${PREFILL_SECS:-5}                  # malloc/lvol-ram: sequential write pass before reads
 SOCK_DIR=${SOCK_DIR:-$(mktemp -d /tmp/katablk-bench.XXXXXX)}
 
 log() { printf '[bench-compare %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -51,6 +64,7 @@ cleanup() {
         SERVER_PID=""
     fi
     rm -rf "$SOCK_DIR"
+    case " $CASES " in *" thin-first-write "*) rm -f "$THIN_IMG" ;; esac
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -59,14 +73,30 @@ trap 'exit 130' INT TERM
 if [ "$BUILD" = 1 ]; then
     log "building katablk-bench (release) into $CARGO_TARGET_DIR"
     (cd "$ROOT" && cargo build --release -q -p katablk-bench)
+    case " $SERVERS " in
+    *" target "*) (cd "$ROOT" && cargo build --release -q -p katablk-target) ;;
+    esac
 fi
 BENCH=$BENCH_BIN_DIR/katablk-bench
+TBENCH=$BENCH_BIN_DIR/katablk-target-bench
 run_bench() { # the client, pinned if CLIENT_CPUS is set
     if [ -n "$CLIENT_CPUS" ]; then
         taskset -c "$CLIENT_CPUS" "$BENCH" "$@"
     else
         "$BENCH" "$@"
     fi
+}
+trpc() { # SOCK METHOD [JSON]: one JSON-RPC call to katablk-target, result on stdout
+    "$TBENCH" rpc -s "$@"
+}
+wait_path() { # PATH PID LOG: wait up to 10 s for socket PATH while PID lives
+    local i
+    for i in $(seq 1 200); do
+        [ -S "$1" ] && return 0
+        kill -0 "$2" 2>/dev/null || return 1
+        sleep 0.05
+    done
+    return 1
 }
 for b in katablk-bench katablk-bench-summary katablk-bench-plot; do
     [ -x "$BENCH_BIN_DIR/$b" ] || die "$BENCH_BIN_DIR/$b is missing (cargo build --release -p katablk-bench)"
@@ -85,6 +115,15 @@ for s in $SERVERS; do
             NOTES+=("katablk side skipped: no katablk-vhost binary at $KATABLK_VHOST")
         fi
         ;;
+    target)
+        if [ -x "$KATABLK_TARGET" ] && [ -x "$TBENCH" ]; then
+            active+=(target)
+        else
+            log "SKIPPING target: katablk-target not found at $KATABLK_TARGET (or $TBENCH missing)" \
+                "(build it with 'cargo build --release -p katablk-target' or set KATABLK_TARGET=PATH)"
+            NOTES+=("target side skipped: no katablk-target binary at $KATABLK_TARGET")
+        fi
+        ;;
     qsd*)
         if command -v "$QSD" >/dev/null 2>&1; then
             active+=("$s")
@@ -93,10 +132,13 @@ for s in $SERVERS; do
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;
-    *) die "unknown server '$s' in SERVERS (use katablk, qsd, qsd2, ...)" ;;
+    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, qsd2, ...)" ;;
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
+if [ "$DIRECT" = 1 ] && [[ " ${active[*]} " == *" target "* ]]; then
+    NOTES+=("DIRECT=1: katablk-target's aio bdevs have no O_DIRECT option over RPC; its file cases use the page cache")
+fi
 
 # --- backing stores ----------------------------------------------------------------------
 prefill() { # PATH: a random-filled image of IMG_MIB MiB, so reads hit real data
@@ -107,17 +149,53 @@ prefill() { # PATH: a random-filled image of IMG_MIB MiB, so reads hit real data
         dd if=/dev/urandom of="$path" bs=1M count="$IMG_MIB" conv=fsync status=none
     fi
 }
+# lvol-file: LVOL_IMG is a copy of the random-filled FILE_IMG plus LVS_SLACK_MIB. The lvstore
+# and its thick lvol are created on it once, with clear_method none, so the lvol's clusters
+# keep the random data (reads hit real data); later runs reopen it with bdev_aio_create
+# (examine). A stamp file records that it is complete.
+lvol_img_prepare() {
+    local stamp=$LVOL_IMG.ready want="IMG_MIB=$IMG_MIB LVS_SLACK_MIB=$LVS_SLACK_MIB"
+    if [ "$REFILL" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0
+    fi
+    log "preparing $LVOL_IMG: copy of $FILE_IMG, lvstore lvs_bench, thick lvol lvs_bench/thick0"
+    rm -f "$stamp"
+    cp --sparse=never "$FILE_IMG" "$LVOL_IMG"
+    dd if=/dev/urandom of="$LVOL_IMG" bs=1M count="$LVS_SLACK_MIB" seek="$IMG_MIB" conv=notrunc,fsync status=none
+    local dir rpcs logf pid
+    dir=$(mktemp -d /tmp/katablk-bench-lvs.XXXXXX)
+    rpcs=$dir/rpc.sock
+    logf=$OUT/logs/lvol-img-prepare.target.log
+    mkdir -p "$OUT/logs"
+    "$KATABLK_TARGET" -S "$dir" -r "$rpcs" >"$logf" 2>&1 &
+    pid=$!
+    wait_path "$rpcs" "$pid" "$logf" || die "katablk-target did not start; log: $logf"
+    trpc "$rpcs" bdev_aio_create "{\"filename\": \"$LVOL_IMG\", \"name\": \"aio0\"}" >/dev/null
+    trpc "$rpcs" bdev_lvol_create_lvstore '{"bdev_name": "aio0", "lvs_name": "lvs_bench", "clear_method": "none"}' >/dev/null
+    trpc "$rpcs" bdev_lvol_create "{\"lvol_name\": \"thick0\", \"size_in_mib\": $IMG_MIB, \"thin_provision\": false, \"lvs_name\": \"lvs_bench\"}" >/dev/null
+    trpc "$rpcs" bdev_lvol_get_lvstores '{"lvs_name": "lvs_bench"}' >>"$logf"
+    kill "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    rm -rf "$dir"
+    sync "$LVOL_IMG"
+    echo "$want" >"$stamp"
+}
+
 for c in $CASES; do
     case $c in
-    file)
+    file | aio-file)
         prefill "$FILE_IMG"
         # Buffered runs measure the servers, not the disk: start with the image in the page
         # cache (an image left from an earlier run may have been evicted).
         [ "$DIRECT" = 1 ] || cat "$FILE_IMG" >/dev/null
         ;;
-    ram | tmpfs) prefill "$TMPFS_IMG" ;;
-    null) ;;
-    *) die "unknown case '$c' in CASES (use file, ram, tmpfs, null)" ;;
+    lvol-file)
+        prefill "$FILE_IMG"
+        lvol_img_prepare
+        ;;
+    ram | tmpfs | malloc | lvol-ram) prefill "$TMPFS_IMG" ;;
+    null | thin-first-write) ;;
+    *) die "unknown case '$c' in CASES (use file, ram, tmpfs, null, aio-file, lvol-file, malloc, lvol-ram, thin-first-write)" ;;
     esac
 done
 
@@ -128,14 +206,18 @@ start_server() {
     local server=$1 case=$2 sock=$3 logf=$4
     rm -f "$sock"
     local -a cmd
+    if [ "$server" = target ]; then
+        start_target "$case" "$sock" "$logf"
+        return
+    fi
     if [ "$server" = katablk ]; then
         cmd=("$KATABLK_VHOST" --socket "$sock" --num-queues "$NUM_QUEUES")
         case $case in
-        file)
+        file | aio-file | lvol-file)
             cmd+=(--file "$FILE_IMG")
             [ "$DIRECT" = 1 ] && cmd+=(--direct)
             ;;
-        ram) cmd+=(--malloc "$IMG_MIB") ;;
+        ram | malloc | lvol-ram) cmd+=(--malloc "$IMG_MIB") ;;
         tmpfs) cmd+=(--file "$TMPFS_IMG") ;;
         null) cmd+=(--null "$IMG_MIB") ;;
         esac
@@ -144,14 +226,14 @@ start_server() {
     else
         local blockdev
         case $case in
-        file)
+        file | aio-file | lvol-file)
             if [ "$DIRECT" = 1 ]; then
                 blockdev="driver=file,node-name=f0,filename=$FILE_IMG,cache.direct=on,aio=threads"
             else
                 blockdev="driver=file,node-name=f0,filename=$FILE_IMG,cache.direct=off,aio=threads"
             fi
             ;;
-        ram | tmpfs) blockdev="driver=file,node-name=f0,filename=$TMPFS_IMG,cache.direct=off,aio=threads" ;;
+        ram | tmpfs | malloc | lvol-ram) blockdev="driver=file,node-name=f0,filename=$TMPFS_IMG,cache.direct=off,aio=threads" ;;
         null) blockdev="driver=null-co,node-name=f0,size=$((IMG_MIB << 20)),read-zeroes=off" ;;
         esac
         cmd=("$QSD" --blockdev "$blockdev"
@@ -177,6 +259,111 @@ start_server() {
         sleep 0.05
     done
     die "$server did not create $sock within 10 s; log: $logf"
+}
+
+# start_target CASE SOCK LOG: a fresh katablk-target with its RPC socket in SOCK_DIR,
+# provisioned for CASE over JSON-RPC; its controller is named after SOCK's file name, so
+# the controller socket is SOCK. Sets SERVER_PID.
+TARGET_RPC=$SOCK_DIR/rpc.sock
+start_target() {
+    local case=$1 sock=$2 logf=$3 mib_blocks=$((IMG_MIB * 2048)) lvs_blocks=$(((IMG_MIB + LVS_SLACK_MIB) * 2048))
+    rm -f "$TARGET_RPC"
+    local -a cmd=("$KATABLK_TARGET" -S "$(dirname "$sock")" -r "$TARGET_RPC" --max-queues "$NUM_QUEUES")
+    # shellcheck disable=SC2206
+    cmd+=($TARGET_EXTRA)
+    if [ -n "$SERVER_CPUS" ]; then cmd=(taskset -c "$SERVER_CPUS" "${cmd[@]}"); fi
+    echo "+ ${cmd[*]}" >"$logf"
+    "${cmd[@]}" >>"$logf" 2>&1 &
+    SERVER_PID=$!
+    if ! wait_path "$TARGET_RPC" "$SERVER_PID" "$logf"; then
+        stop_server
+        die "katablk-target did not serve $TARGET_RPC; log: $logf: $(tail -3 "$logf")"
+    fi
+    local dev r=(trpc "$TARGET_RPC")
+    {
+        case $case in
+        file | aio-file)
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$FILE_IMG\", \"name\": \"aio0\"}"
+            dev=aio0
+            ;;
+        tmpfs)
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$TMPFS_IMG\", \"name\": \"aio0\"}"
+            dev=aio0
+            ;;
+        ram | malloc)
+            "${r[@]}" bdev_malloc_create "{\"name\": \"mal0\", \"num_blocks\": $mib_blocks, \"block_size\": 512}"
+            dev=mal0
+            ;;
+        null)
+            "${r[@]}" bdev_null_create "{\"name\": \"null0\", \"num_blocks\": $mib_blocks, \"block_size\": 512}"
+            dev=null0
+            ;;
+        lvol-file) # prepared once by lvol_img_prepare; examine brings the lvol back
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$LVOL_IMG\", \"name\": \"aio0\"}"
+            "${r[@]}" bdev_get_bdevs '{"name": "lvs_bench/thick0"}' >/dev/null
+            dev=lvs_bench/thick0
+            ;;
+        lvol-ram)
+            "${r[@]}" bdev_malloc_create "{\"name\": \"mal0\", \"num_blocks\": $lvs_blocks, \"block_size\": 512}"
+            "${r[@]}" bdev_lvol_create_lvstore '{"bdev_name": "mal0", "lvs_name": "lvs_ram", "clear_method": "none"}'
+            "${r[@]}" bdev_lvol_create "{\"lvol_name\": \"thick0\", \"size_in_mib\": $IMG_MIB, \"thin_provision\": false, \"lvs_name\": \"lvs_ram\"}"
+            dev=lvs_ram/thick0
+            ;;
+        thin-first-write) # a new sparse file, lvstore and thin lvol every run: every cluster is new
+            rm -f "$THIN_IMG"
+            truncate -s "$(((THIN_MIB + LVS_SLACK_MIB) << 20))" "$THIN_IMG"
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$THIN_IMG\", \"name\": \"aio0\"}"
+            if [ -n "$THIN_CLUSTER" ]; then
+                "${r[@]}" bdev_lvol_create_lvstore "{\"bdev_name\": \"aio0\", \"lvs_name\": \"lvs_thin\", \"clear_method\": \"none\", \"cluster_sz\": $THIN_CLUSTER}"
+            else
+                "${r[@]}" bdev_lvol_create_lvstore '{"bdev_name": "aio0", "lvs_name": "lvs_thin", "clear_method": "none"}'
+            fi
+            "${r[@]}" bdev_lvol_create "{\"lvol_name\": \"thin0\", \"size_in_mib\": $THIN_MIB, \"thin_provision\": true, \"lvs_name\": \"lvs_thin\"}"
+            dev=lvs_thin/thin0
+            ;;
+        esac
+        if [ -n "$TARGET_CPUMASK" ]; then
+            "${r[@]}" vhost_create_blk_controller "{\"ctrlr\": \"$(basename "$sock")\", \"dev_name\": \"$dev\", \"cpumask\": \"$TARGET_CPUMASK\"}"
+        else
+            "${r[@]}" vhost_create_blk_controller "{\"ctrlr\": \"$(basename "$sock")\", \"dev_name\": \"$dev\"}"
+        fi
+    } >>"$logf.rpc" 2>&1 || {
+        stop_server
+        die "provisioning katablk-target for $case failed: $(tail -3 "$logf.rpc")" \
+            "$([ "$case" = lvol-file ] && echo "(REFILL=1 recreates $LVOL_IMG)")"
+    }
+    if ! wait_path "$sock" "$SERVER_PID" "$logf"; then
+        stop_server
+        die "katablk-target did not create $sock; log: $logf"
+    fi
+    sleep 0.1
+}
+
+# server_has SERVER CASE: whether SERVER has a backend for CASE (only the target has lvols).
+server_has() {
+    case $2 in
+    thin-first-write) [ "$1" = target ] ;;
+    *) return 0 ;;
+    esac
+}
+
+# prefill_run SERVER CASE WORKLOAD TAG: RAM backends start empty (untouched memory reads as
+# zeroes without touching real pages), so before a read workload on malloc/lvol-ram write
+# the device sequentially for PREFILL_SECS (its report goes to logs/, not raw/).
+prefill_run() {
+    local server=$1 case=$2 wl=$3 tag=$4
+    case $case in malloc | lvol-ram) ;; *) return 0 ;; esac
+    case $server in katablk | target) ;; *) return 0 ;; esac
+    case $wl in *read*) ;; *) return 0 ;; esac
+    [ "$PREFILL_SECS" != 0 ] || return 0
+    run_bench --socket "$sock" --rw write --bs 1M --iodepth 8 --runtime "$PREFILL_SECS" --ramp 0 \
+        --poll "$POLL" --no-progress --json "$OUT/logs/$tag.prefill.json" \
+        >"$OUT/logs/$tag.prefill.txt" 2>&1 || die "prefill write pass failed: $(tail -3 "$OUT/logs/$tag.prefill.txt")"
+    local written
+    written=$(awk '/"bytes":/ { gsub(/[^0-9]/, "", $2); if ($2 + 0 > m) m = $2 + 0 } END { printf "%d\n", m }' "$OUT/logs/$tag.prefill.json")
+    if [ "$written" -lt $((IMG_MIB << 20)) ]; then
+        log "warning: $tag prefill wrote only $((written >> 20)) of $IMG_MIB MiB (raise PREFILL_SECS)"
+    fi
 }
 
 stop_server() {
@@ -217,9 +404,10 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "host: $(uname -srm), $(nproc) CPUs, $(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
     echo "git: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "qsd: $("$QSD" --version 2>/dev/null | head -1 || echo absent)"
+    echo "katablk-target: $KATABLK_TARGET ($([ -x "$KATABLK_TARGET" ] && echo present || echo absent))"
     echo "katablk-vhost: $KATABLK_VHOST ($([ -x "$KATABLK_VHOST" ] && echo present || echo absent))"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
@@ -233,8 +421,15 @@ log "results: $OUT"
 seq_no=0
 sock=$SOCK_DIR/vhost.sock
 for case in $CASES; do
-    if [ "$IDLE_SECS" != 0 ]; then
+    case_wls=$WORKLOADS
+    case_ramp=$RAMP
+    if [ "$case" = thin-first-write ]; then
+        case_wls=$THIN_WORKLOADS
+        case_ramp=0 # measure from the first write: every cluster is still unallocated
+    fi
+    if [ "$IDLE_SECS" != 0 ] && [ "$case" != thin-first-write ]; then
         for server in "${active[@]}"; do
+            server_has "$server" "$case" || continue
             seq_no=$((seq_no + 1))
             tag=$(printf '%03d-%s-idle-%s' "$seq_no" "$case" "$server")
             start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
@@ -246,14 +441,16 @@ for case in $CASES; do
             log "$case idle $server: $(grep -o 'server pid.*' "$OUT/logs/$tag.txt")"
         done
     fi
-    for wl in $WORKLOADS; do
+    for wl in $case_wls; do
         read -r -a wargs <<<"$(workload_args "$wl")"
         for round in $(seq 1 "$ROUNDS"); do
             for server in "${active[@]}"; do
+                server_has "$server" "$case" || continue
                 seq_no=$((seq_no + 1))
                 tag=$(printf '%03d-%s-%s-%s-r%d' "$seq_no" "$case" "$wl" "$server" "$round")
                 start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-                if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$RAMP" \
+                prefill_run "$server" "$case" "$wl" "$tag"
+                if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
                     --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
                     --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
                     --meta case="$case" --meta workload="$wl" --meta server="$server" \
@@ -262,6 +459,18 @@ for case in $CASES; do
                     log "server log: $(tail -3 "$OUT/logs/$tag.server.log")"
                     stop_server
                     continue
+                fi
+                if [ "$case" = thin-first-write ]; then
+                    # record how many clusters the run allocated (the summary divides by writes)
+                    alloc=$(trpc "$TARGET_RPC" bdev_lvol_get_lvols '{"lvs_name": "lvs_thin"}' |
+                        awk '/"num_allocated_clusters"/ { gsub(/[^0-9]/, "", $2); print $2 + 0; exit }')
+                    python3 - "$OUT/raw/$tag.json" "${alloc:-0}" <<'PY'
+import json, sys
+p, n = sys.argv[1], sys.argv[2]
+r = json.load(open(p))
+r["params"]["meta"]["allocated_clusters"] = n
+json.dump(r, open(p, "w"), indent=2)
+PY
                 fi
                 stop_server
                 log "$case $wl $server r$round: $(brief "$OUT/logs/$tag.txt")"

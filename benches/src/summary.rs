@@ -42,6 +42,12 @@ pub struct Row {
     pub server_cpu_pct: Option<f64>,
     /// Server CPU time per I/O, µs (median server CPU / median IOPS).
     pub server_cpu_us_per_io: Option<f64>,
+    /// Median clusters allocated during the run (`--meta allocated_clusters=`, thin lvols).
+    #[serde(default)]
+    pub allocated_clusters: Option<f64>,
+    /// Median of allocated clusters / completed I/Os: the share of writes that allocated.
+    #[serde(default)]
+    pub alloc_per_io: Option<f64>,
 }
 
 /// Median CPU use of a server that has a connected but idle client.
@@ -61,6 +67,9 @@ pub struct IdleRow {
 /// of it (better for IOPS, worse for latency and CPU).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
+    /// Numerator server (empty in summaries written before there could be several).
+    #[serde(default)]
+    pub server: String,
     /// Backing store case.
     pub case: String,
     /// Workload name.
@@ -75,6 +84,53 @@ pub struct Comparison {
     pub server_cpu: Option<f64>,
     /// Server CPU per I/O ratio.
     pub server_cpu_per_io: Option<f64>,
+}
+
+/// Pairs (lvol case, raw cases in order of preference) compared on the same server: the
+/// thick lvol on a file against an aio bdev on the file, the thick lvol on RAM against the
+/// malloc bdev, and thin first writes against the thick lvol on the file.
+pub const LVOL_PAIRS: &[(&str, &[&str])] = &[
+    ("lvol-file", &["aio-file", "file"]),
+    ("lvol-ram", &["malloc", "ram"]),
+    ("thin-first-write", &["lvol-file"]),
+];
+
+/// Servers whose lvol cases really are lvols (the others serve their raw backend there).
+pub const LVOL_SERVERS: &[&str] = &["target"];
+
+/// Goal: a thick lvol reaches at least this share of its raw device's IOPS.
+pub const LVOL_GOAL: f64 = 0.95;
+
+/// An lvol case divided by its raw case, same server and workload. IOPS above 1 is better
+/// for the lvol.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LvolRatio {
+    /// Server (the one with lvols: `target`).
+    pub server: String,
+    /// Numerator case (`lvol-file`, `lvol-ram`, `thin-first-write`).
+    pub case: String,
+    /// Denominator case (`aio-file`, `malloc`, `lvol-file`, ...).
+    pub raw_case: String,
+    /// Workload name.
+    pub workload: String,
+    /// IOPS ratio.
+    pub iops: Option<f64>,
+    /// p50 latency ratio.
+    pub lat_p50: Option<f64>,
+    /// p99 latency ratio.
+    pub lat_p99: Option<f64>,
+    /// Server CPU per I/O ratio.
+    pub server_cpu_per_io: Option<f64>,
+    /// Whether `iops` ≥ [`LVOL_GOAL`] (thick lvol cases only).
+    pub within_goal: Option<bool>,
+    /// The same IOPS ratio of a server that serves the same backend in both cases (e.g.
+    /// katablk-vhost's `--file` in lvol-file and aio-file): an A/A estimate of the noise
+    /// between the two cases' measurement times.
+    #[serde(default)]
+    pub control_iops: Option<f64>,
+    /// That server.
+    #[serde(default)]
+    pub control_server: Option<String>,
 }
 
 /// The whole summary, written as `summary.json`.
@@ -98,8 +154,12 @@ pub struct Summary {
     pub rows: Vec<Row>,
     /// Idle CPU results.
     pub idle: Vec<IdleRow>,
-    /// Ratios candidate/baseline, where both were measured.
+    /// Ratios server/baseline, where both were measured: the candidate first, then every
+    /// other server.
     pub comparisons: Vec<Comparison>,
+    /// Same-server ratios of an lvol case to its raw backing case ([`LVOL_PAIRS`]).
+    #[serde(default)]
+    pub lvol_ratios: Vec<LvolRatio>,
     /// Free-text notes (e.g. which server was skipped and why).
     pub notes: Vec<String>,
 }
@@ -123,6 +183,10 @@ fn push_unique(v: &mut Vec<String>, s: &str) {
     if !v.iter().any(|x| x == s) {
         v.push(s.to_string());
     }
+}
+
+fn alloc_meta(r: &BenchReport) -> Option<f64> {
+    meta(r, "allocated_clusters").and_then(|v| v.parse().ok())
 }
 
 fn med(reports: &[&BenchReport], f: impl Fn(&BenchReport) -> f64) -> f64 {
@@ -193,6 +257,10 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                 client_cpu_pct: med(rs, |r| r.client_cpu.percent),
                 server_cpu_pct,
                 server_cpu_us_per_io: server_cpu_pct.and_then(|c| ratio(c / 100.0 * 1e6, iops)),
+                allocated_clusters: med_opt(rs, alloc_meta),
+                alloc_per_io: med_opt(rs, |r| {
+                    alloc_meta(r).and_then(|a| ratio(a, r.total.total.ios as f64))
+                }),
             }
         })
         .collect();
@@ -216,20 +284,78 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
         _ => None,
     };
     let mut comparisons = Vec::new();
-    for case in &cases {
-        for workload in &workloads {
-            if let (Some(c), Some(b)) = (
-                find(case, workload, candidate),
-                find(case, workload, baseline),
-            ) {
-                comparisons.push(Comparison {
-                    case: case.clone(),
+    let mut numerators: Vec<&str> = vec![candidate];
+    for s in &servers {
+        if s != candidate && s != baseline {
+            numerators.push(s);
+        }
+    }
+    for num in &numerators {
+        for case in &cases {
+            for workload in &workloads {
+                if let (Some(c), Some(b)) =
+                    (find(case, workload, num), find(case, workload, baseline))
+                {
+                    comparisons.push(Comparison {
+                        server: num.to_string(),
+                        case: case.clone(),
+                        workload: workload.clone(),
+                        iops: ratio(c.iops, b.iops),
+                        lat_p50: ratio(c.lat_p50_us, b.lat_p50_us),
+                        lat_p99: ratio(c.lat_p99_us, b.lat_p99_us),
+                        server_cpu: opt_ratio(c.server_cpu_pct, b.server_cpu_pct),
+                        server_cpu_per_io: opt_ratio(
+                            c.server_cpu_us_per_io,
+                            b.server_cpu_us_per_io,
+                        ),
+                    });
+                }
+            }
+        }
+    }
+
+    let mut lvol_ratios = Vec::new();
+    for (lcase, raws) in LVOL_PAIRS {
+        for server in servers
+            .iter()
+            .filter(|s| LVOL_SERVERS.contains(&s.as_str()))
+        {
+            for workload in &workloads {
+                let Some(l) = find(lcase, workload, server) else {
+                    continue;
+                };
+                let Some(b) = raws.iter().find_map(|rc| find(rc, workload, server)) else {
+                    continue;
+                };
+                let iops = ratio(l.iops, b.iops);
+                let control = if lcase.starts_with("lvol-") {
+                    servers
+                        .iter()
+                        .filter(|s| !LVOL_SERVERS.contains(&s.as_str()))
+                        .find_map(|s| {
+                            let a = find(lcase, workload, s)?;
+                            let r = find(&b.case, workload, s)?;
+                            Some((s.clone(), ratio(a.iops, r.iops)?))
+                        })
+                } else {
+                    None
+                };
+                lvol_ratios.push(LvolRatio {
+                    control_iops: control.as_ref().map(|c| c.1),
+                    control_server: control.map(|c| c.0),
+                    server: server.clone(),
+                    case: lcase.to_string(),
+                    raw_case: b.case.clone(),
                     workload: workload.clone(),
-                    iops: ratio(c.iops, b.iops),
-                    lat_p50: ratio(c.lat_p50_us, b.lat_p50_us),
-                    lat_p99: ratio(c.lat_p99_us, b.lat_p99_us),
-                    server_cpu: opt_ratio(c.server_cpu_pct, b.server_cpu_pct),
-                    server_cpu_per_io: opt_ratio(c.server_cpu_us_per_io, b.server_cpu_us_per_io),
+                    iops,
+                    lat_p50: ratio(l.lat_p50_us, b.lat_p50_us),
+                    lat_p99: ratio(l.lat_p99_us, b.lat_p99_us),
+                    server_cpu_per_io: opt_ratio(l.server_cpu_us_per_io, b.server_cpu_us_per_io),
+                    within_goal: if lcase.starts_with("lvol-") {
+                        iops.map(|x| x >= LVOL_GOAL)
+                    } else {
+                        None
+                    },
                 });
             }
         }
@@ -255,6 +381,7 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
         rows,
         idle,
         comparisons,
+        lvol_ratios,
         notes,
     }
 }
@@ -326,24 +453,30 @@ impl Summary {
                 r.rounds
             );
         }
-        let _ = writeln!(o, "\n## Ratios {} / {}\n", self.candidate, self.baseline);
+        let _ = writeln!(o, "\n## Ratios to {}\n", self.baseline);
         if self.comparisons.is_empty() {
             let _ = writeln!(o, "No workload was measured on both servers.");
         } else {
             let _ = writeln!(
                 o,
-                "IOPS above 1 is better for {c}; latency and CPU below 1 are better for {c}.\n",
-                c = self.candidate
+                "server / {b} in the same run: IOPS above 1 is better for the server; latency and \
+                 CPU below 1 are better for it.\n",
+                b = self.baseline
             );
             let _ = writeln!(
                 o,
-                "| case | workload | IOPS | p50 | p99 | server CPU | server CPU/IO |"
+                "| server | case | workload | IOPS | p50 | p99 | server CPU | server CPU/IO |"
             );
-            let _ = writeln!(o, "|---|---|---:|---:|---:|---:|---:|");
+            let _ = writeln!(o, "|---|---|---|---:|---:|---:|---:|---:|");
             for c in &self.comparisons {
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    if c.server.is_empty() {
+                        &self.candidate
+                    } else {
+                        &c.server
+                    },
                     c.case,
                     c.workload,
                     fmt_opt(c.iops, 2),
@@ -351,6 +484,72 @@ impl Summary {
                     fmt_opt(c.lat_p99, 2),
                     fmt_opt(c.server_cpu, 2),
                     fmt_opt(c.server_cpu_per_io, 2)
+                );
+            }
+        }
+        if !self.lvol_ratios.is_empty() {
+            let _ = writeln!(o, "\n## Lvol / raw device (same server)\n");
+            let _ = writeln!(
+                o,
+                "Goal: a thick lvol within 5 % of its raw backing device (IOPS ratio ≥ {LVOL_GOAL:.2}), \
+                 notably at 4 KiB QD32. thin-first-write / lvol-file compares writes to a fresh thin \
+                 lvol (allocating) with the thick lvol. The two cases ran minutes apart, not \
+                 alternated. The last column is the same ratio for a server that serves the same \
+                 backend in both cases (katablk-vhost, QSD): far from 1.000 means the machine \
+                 changed between the cases and the lvol ratio is not trustworthy.\n"
+            );
+            let _ = writeln!(
+                o,
+                "| server | lvol case | raw case | workload | IOPS | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
+            );
+            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---|---:|");
+            for l in &self.lvol_ratios {
+                let goal = match l.within_goal {
+                    Some(true) => "met",
+                    Some(false) => "**missed**",
+                    None => "",
+                };
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
+                    l.server,
+                    l.case,
+                    l.raw_case,
+                    l.workload,
+                    fmt_opt(l.iops, 3),
+                    fmt_opt(l.lat_p50, 2),
+                    fmt_opt(l.lat_p99, 2),
+                    fmt_opt(l.server_cpu_per_io, 2),
+                    match (&l.control_server, l.control_iops) {
+                        (Some(s), Some(x)) => format!("{x:.3} ({s})"),
+                        _ => String::new(),
+                    },
+                );
+            }
+        }
+        let thin: Vec<&Row> = self
+            .rows
+            .iter()
+            .filter(|r| r.allocated_clusters.is_some())
+            .collect();
+        if !thin.is_empty() {
+            let _ = writeln!(o, "\n## Thin lvol allocation\n");
+            let _ = writeln!(
+                o,
+                "| case | workload | server | IOPS | clusters allocated | allocating share of I/Os |\n|---|---|---|---:|---:|---:|"
+            );
+            for r in thin {
+                let _ = writeln!(
+                    o,
+                    "| {} | {} | {} | {:.0} | {} | {} |",
+                    r.case,
+                    r.workload,
+                    r.server,
+                    r.iops,
+                    fmt_opt(r.allocated_clusters, 0),
+                    r.alloc_per_io
+                        .map(|x| format!("{:.2} %", x * 100.0))
+                        .unwrap_or_else(|| "n/a".into())
                 );
             }
         }
@@ -484,7 +683,7 @@ mod tests {
         assert!(s.notes.is_empty());
         let md = s.to_markdown();
         assert!(md.contains("| file | rr | katablk | 200 |"), "{md}");
-        assert!(md.contains("| file | rr | 4.00 | 0.50 |"), "{md}");
+        assert!(md.contains("| katablk | file | rr | 4.00 | 0.50 |"), "{md}");
     }
 
     #[test]
@@ -525,6 +724,52 @@ mod tests {
         let rs = read_dir(dir.path()).unwrap();
         assert_eq!(rs.len(), 2);
         assert_eq!(rs[0].total.total.iops, 1.0);
+    }
+
+    #[test]
+    fn lvol_ratios_third_server_and_thin_allocation() {
+        let mut thin = report("thin-first-write", "rw", "target", 50.0, 100, 1.0);
+        thin.params
+            .meta
+            .insert("allocated_clusters".into(), "25".into());
+        let rs = vec![
+            report("aio-file", "rw", "target", 100.0, 100, 1.0),
+            report("aio-file", "rw", "qsd", 50.0, 100, 1.0),
+            report("lvol-file", "rw", "target", 96.0, 100, 1.0),
+            report("malloc", "rw", "target", 100.0, 100, 1.0),
+            report("lvol-ram", "rw", "target", 90.0, 100, 1.0),
+            thin,
+        ];
+        let s = build("t", &rs, "qsd", "katablk");
+        let c = &s.comparisons[0];
+        assert_eq!((c.server.as_str(), c.iops), ("target", Some(2.0)));
+        assert_eq!(s.lvol_ratios.len(), 3);
+        let f = &s.lvol_ratios[0];
+        assert_eq!(
+            (f.case.as_str(), f.raw_case.as_str()),
+            ("lvol-file", "aio-file")
+        );
+        assert_eq!(f.within_goal, Some(true));
+        assert_eq!(s.lvol_ratios[1].within_goal, Some(false));
+        let t = &s.lvol_ratios[2];
+        assert_eq!(
+            (t.raw_case.as_str(), t.iops, t.within_goal),
+            ("lvol-file", Some(50.0 / 96.0), None)
+        );
+        let row = s
+            .rows
+            .iter()
+            .find(|r| r.case == "thin-first-write")
+            .unwrap();
+        assert_eq!(row.allocated_clusters, Some(25.0));
+        assert_eq!(row.alloc_per_io, Some(0.5));
+        let md = s.to_markdown();
+        assert!(
+            md.contains("| target | lvol-ram | malloc | rw | 0.900 |"),
+            "{md}"
+        );
+        assert!(md.contains("**missed**"), "{md}");
+        assert!(md.contains("50.00 %"), "{md}");
     }
 
     #[test]
