@@ -736,10 +736,8 @@ impl Target {
                 }
                 m
             }
-            None => CpuMask::parse("0x1")
-                .ok()
-                .filter(|m| m.is_subset_of(&self.settings.cpumask))
-                .unwrap_or_else(|| self.settings.cpumask.clone()),
+            // As SPDK: without a cpumask the controller may use every core of the target.
+            None => self.settings.cpumask.clone(),
         };
         let found = inner.find(&p.dev_name).ok_or_else(vhost_no_device)?;
         let canonical = inner.canonical(&found);
