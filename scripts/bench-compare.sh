@@ -192,6 +192,8 @@ for c in $CASES; do
     lvol-file)
         prefill "$FILE_IMG"
         lvol_img_prepare
+        # As for the raw file case: the lvstore image starts in the page cache.
+        [ "$DIRECT" = 1 ] || cat "$LVOL_IMG" >/dev/null
         ;;
     ram | tmpfs | malloc | lvol-ram) prefill "$TMPFS_IMG" ;;
     null | thin-first-write) ;;
