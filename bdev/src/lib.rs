@@ -74,6 +74,17 @@ impl DeviceInfo {
     }
 }
 
+/// Checks a block size for the RAM and null devices (512, 1024, 2048 or 4096).
+pub(crate) fn check_block_size(block_size: u32) -> Result<(), BdevError> {
+    if matches!(block_size, 512 | 1024 | 2048 | 4096) {
+        Ok(())
+    } else {
+        Err(BdevError::Invalid(format!(
+            "block size {block_size} is not 512, 1024, 2048 or 4096"
+        )))
+    }
+}
+
 /// The operation of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoOp {

@@ -28,11 +28,7 @@ unsafe impl Sync for MallocInner {}
 impl MallocDevice {
     /// A zero-filled RAM device of `num_blocks` blocks of `block_size` bytes.
     pub fn new(num_blocks: u64, block_size: u32) -> Result<Self, BdevError> {
-        if !matches!(block_size, 512 | 1024 | 2048 | 4096) {
-            return Err(BdevError::Invalid(format!(
-                "block size {block_size} is not 512, 1024, 2048 or 4096"
-            )));
-        }
+        crate::check_block_size(block_size)?;
         let len = num_blocks
             .checked_mul(u64::from(block_size))
             .and_then(|l| usize::try_from(l).ok())

@@ -22,11 +22,7 @@ impl NullDevice {
     /// A null device of `num_blocks` blocks of `block_size` bytes. With `zero_reads` false, reads
     /// leave the buffers untouched (measures pure protocol overhead, as SPDK's null bdev).
     pub fn new(num_blocks: u64, block_size: u32, zero_reads: bool) -> Result<Self, BdevError> {
-        if !matches!(block_size, 512 | 1024 | 2048 | 4096) {
-            return Err(BdevError::Invalid(format!(
-                "block size {block_size} is not 512, 1024, 2048 or 4096"
-            )));
-        }
+        crate::check_block_size(block_size)?;
         if num_blocks == 0 {
             return Err(BdevError::Invalid("size must be non-zero".into()));
         }

@@ -891,32 +891,21 @@ impl Target {
         for name in inner.bdevs.keys() {
             per.insert(name.clone(), StatsSnapshot::default());
         }
+        // Each lvol's lvstore base bdev, listed once rather than per controller.
+        let mut base_of: BTreeMap<String, &str> = BTreeMap::new();
         for s in &inner.stores {
             for l in s.lvs.list() {
                 per.insert(l.uuid.to_string(), StatsSnapshot::default());
+                base_of.insert(l.uuid.to_string(), &s.base);
             }
         }
         for c in inner.ctrlrs.values() {
             let st = c.handle.stats();
-            let mut add = |k: &str| {
+            let base = base_of.get(&c.bdev).copied();
+            for k in std::iter::once(c.bdev.as_str()).chain(base) {
                 if let Some(e) = per.get_mut(k) {
-                    e.read_ops += st.read_ops;
-                    e.read_bytes += st.read_bytes;
-                    e.write_ops += st.write_ops;
-                    e.write_bytes += st.write_bytes;
-                    e.flush_ops += st.flush_ops;
-                    e.unmap_ops += st.unmap_ops;
-                    e.io_errors += st.io_errors;
-                    e.bad_requests += st.bad_requests;
+                    *e += st;
                 }
-            };
-            add(&c.bdev);
-            if let Some(s) = inner
-                .stores
-                .iter()
-                .find(|s| s.lvs.list().iter().any(|l| l.uuid.to_string() == c.bdev))
-            {
-                add(&s.base);
             }
         }
         Ok(per.into_iter().collect())

@@ -96,6 +96,19 @@ pub struct StatsSnapshot {
     pub bad_requests: u64,
 }
 
+impl std::ops::AddAssign for StatsSnapshot {
+    fn add_assign(&mut self, o: StatsSnapshot) {
+        self.read_ops += o.read_ops;
+        self.read_bytes += o.read_bytes;
+        self.write_ops += o.write_ops;
+        self.write_bytes += o.write_bytes;
+        self.flush_ops += o.flush_ops;
+        self.unmap_ops += o.unmap_ops;
+        self.io_errors += o.io_errors;
+        self.bad_requests += o.bad_requests;
+    }
+}
+
 impl Stats {
     /// Reads every counter.
     pub fn snapshot(&self) -> StatsSnapshot {
