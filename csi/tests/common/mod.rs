@@ -214,19 +214,30 @@ pub async fn channel(path: &Path) -> Channel {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let p = path.to_path_buf();
-    tonic::transport::Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let p = p.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(p).await?,
-                ))
+    // The path can exist a moment before the driver listens on it (or be a stale socket it is
+    // about to replace): retry refused connections until the same deadline.
+    loop {
+        let p = path.to_path_buf();
+        let r = tonic::transport::Endpoint::try_from("http://[::]:50051")
+            .unwrap()
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = p.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                        tokio::net::UnixStream::connect(p).await?,
+                    ))
+                }
+            }))
+            .await;
+        match r {
+            Ok(ch) => return ch,
+            Err(e) if t0.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-        }))
-        .await
-        .unwrap()
+            Err(e) => panic!("cannot connect to the CSI socket: {e}"),
+        }
+    }
 }
 
 pub fn spdk_params() -> HashMap<String, String> {
