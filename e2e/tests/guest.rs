@@ -1,21 +1,50 @@
 //! The QEMU guest end-to-end test (`scripts/e2e/guest-e2e.sh`): one guest per queue count, each
-//! checking identity, data, fio and reconnection across a `kill -9` of the server. Skips (and says
-//! why) where the Debian packages for QEMU and the guest cannot be downloaded; fails if they can
-//! and anything in the guest fails. `.config/nextest.toml` runs it alone, with a long timeout.
+//! checking identity, data, fio, reconnection across a `kill -9` of the server and growth of the
+//! disk. Two providers: the node stack (katablk-target + katablk-csi, the volume created and
+//! published through CSI gRPC) and a standalone katablk-vhost (whose backing file the host checks
+//! against the guest's checksums). Skips (and says why) where the Debian packages for QEMU and the
+//! guest cannot be downloaded; fails if they can and anything in the guest fails.
+//! `.config/nextest.toml` runs it alone, with a long timeout.
 
 use katablk_e2e::{run_script, sibling_binary, Outcome};
 
+/// The binaries of this build (cargo builds them for the crates' own integration tests), so the
+/// script does not build release ones.
+fn binaries(names: &[(&'static str, &str)]) -> Vec<(&'static str, std::path::PathBuf)> {
+    names
+        .iter()
+        .filter_map(|(var, bin)| sibling_binary(bin).map(|p| (*var, p)))
+        .collect()
+}
+
+fn run(provider: &'static str, args: &[&str], bins: &[(&'static str, &str)]) {
+    let owned = binaries(bins);
+    let mut env: Vec<(&str, &std::path::Path)> =
+        owned.iter().map(|(k, p)| (*k, p.as_path())).collect();
+    let p = std::path::Path::new(provider);
+    env.push(("KATABLK_E2E_PROVIDER", p));
+    match run_script("scripts/e2e/guest-e2e.sh", args, &env) {
+        Outcome::Passed => {}
+        Outcome::Skipped(why) => eprintln!("SKIPPED guest e2e ({provider}): {why}"),
+    }
+}
+
 #[test]
 fn guest_e2e_under_qemu_tcg() {
-    // The katablk-vhost of this build (cargo builds it for vhost's own integration tests).
-    let vhost = sibling_binary("katablk-vhost");
-    let env: Vec<(&str, &std::path::Path)> = vhost
-        .as_deref()
-        .map(|p| ("KATABLK_VHOST", p))
-        .into_iter()
-        .collect();
-    match run_script("scripts/e2e/guest-e2e.sh", &[], &env) {
-        Outcome::Passed => {}
-        Outcome::Skipped(why) => eprintln!("SKIPPED guest e2e: {why}"),
-    }
+    // The node stack, as the flow: CSI provision + publish, restart, expand, unpublish.
+    run(
+        "csi",
+        &["--out", "build/e2e/csi"],
+        &[
+            ("KATABLK_TARGET", "katablk-target"),
+            ("KATABLK_CSI", "katablk-csi"),
+            ("KATABLK_CSI_CTL", "katablk-csi-ctl"),
+        ],
+    );
+    // A standalone katablk-vhost on a flat file: the host compares the guest's checksums.
+    run(
+        "vhost",
+        &["--out", "build/e2e/vhost", "--fio", "randread-4k-qd32"],
+        &[("KATABLK_VHOST", "katablk-vhost")],
+    );
 }

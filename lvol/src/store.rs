@@ -695,9 +695,16 @@ impl LvStore {
         let md_len = match opts.md_pages {
             Some(0) => return Err(LvolError::Invalid("md_pages must be positive".into())),
             Some(n) => n,
-            // One page per 8 clusters (at least 64): room for ~4 pages per volume and fully
-            // fragmented thin volumes, while keeping the open-time scan short.
-            None => (num_clusters / 8).clamp(64, 1 << 18) as u32,
+            // One page per 8 clusters, but at least enough for the super block pages and the
+            // metadata to fill the first 4 MiB (1020 pages: room for ~500 volumes, as every
+            // change writes a volume's new chain before freeing the old one) where the device
+            // can spare 1/16 of itself, and at least 64 pages; at most 2^18 pages, to keep the
+            // open-time scan short. With 4 MiB clusters the data still starts at cluster 1.
+            None => {
+                let floor = (info.size_bytes() / PAGE / 16)
+                    .clamp(64, (4 << 20) / PAGE - u64::from(MD_START));
+                (num_clusters / 8).clamp(floor, 1 << 18) as u32
+            }
         };
         let md_end = (u64::from(MD_START) + u64::from(md_len)) * PAGE;
         let first_data_cluster = md_end.div_ceil(u64::from(cs));

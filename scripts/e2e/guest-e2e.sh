@@ -4,15 +4,23 @@
 # (scripts/e2e/guest/main.sh) checks size, serial, queues, discard/write-zeroes, data written and
 # read back (O_DIRECT and buffered), runs the fio jobs of benches/fio/, and keeps a write/verify
 # loop going while the host kills the server with SIGKILL and starts it again (QEMU reconnect=1,
-# INFLIGHT_SHMFD). The host then compares the guest's checksums with the backing file.
+# INFLIGHT_SHMFD); then the host grows the disk and the guest waits for the new size.
 # All of it for num-queues=1 (one vCPU) and num-queues=2 (two vCPUs).
+#
+# Providers (scripts/e2e/providers/, KATABLK_E2E_PROVIDER):
+#   csi (default)  the node stack: katablk-target + katablk-csi; the volume is created and
+#                  published through CSI gRPC (katablk-csi-ctl), the guest attached to the socket
+#                  behind the Kata device node; restart = kill -9 of katablk-target; grow =
+#                  ControllerExpandVolume + NodeExpandVolume; unpublish and delete checked at the end
+#   vhost          a standalone katablk-vhost on a sparse file (no grow); the host compares the
+#                  guest's checksums with the file
 #
 # Usage: scripts/e2e/guest-e2e.sh [--queues "1 2"] [--fio JOBS|none] [--fio-runtime S] [--out DIR]
 # Environment:
-#   KATABLK_VHOST         katablk-vhost binary (default: build/{release,debug}/katablk-vhost, else
-#                         `cargo build --release -p katablk-vhost`)
-#   KATABLK_E2E_PROVIDER  where disks come from: vhost (default) or target (hook, see
-#                         scripts/e2e/providers/target.sh); KATABLK_E2E_CACHE: see guest-assets.sh
+#   KATABLK_E2E_PROVIDER  csi (default) or vhost
+#   KATABLK_VHOST, KATABLK_TARGET, KATABLK_CSI, KATABLK_CSI_CTL   binaries (default: the build
+#                         directory's release or debug ones, else a release build)
+#   KATABLK_E2E_CACHE     see guest-assets.sh
 # Results: DIR (default build/e2e): results.json (per run: checks, fio summary), fio-q<N>-<job>.json
 # (fio's JSON), console-q<N>.log (guest serial console), qemu-q<N>.log, server-*.log.
 # Exit status: 0 all passed; 77 assets unavailable (no Debian mirror); anything else failed.
@@ -52,20 +60,32 @@ set -e
 eval "$assets_env"
 
 # --- the server ------------------------------------------------------------------------------
-provider=${KATABLK_E2E_PROVIDER:-vhost}
+provider=${KATABLK_E2E_PROVIDER:-csi}
 [ -f "$here/providers/$provider.sh" ] || { log "no provider $provider"; exit 2; }
-if [ "$provider" = vhost ] && [ -z "${KATABLK_VHOST:-}" ]; then
-    tdir=${CARGO_TARGET_DIR:-$repo/build}
-    for p in release debug; do
-        [ -x "$tdir/$p/katablk-vhost" ] && { KATABLK_VHOST=$tdir/$p/katablk-vhost; break; }
-    done
-    if [ -z "${KATABLK_VHOST:-}" ]; then
-        log "building katablk-vhost"
-        (cd "$repo" && cargo build --release -p katablk-vhost) >&2
-        KATABLK_VHOST=$tdir/release/katablk-vhost
+# find_bin VAR BINARY PACKAGE: $VAR if set, else the build directory's release or debug binary,
+# else a release build of PACKAGE.
+find_bin() {
+    local var=$1 bin=$2 pkg=$3 tdir=${CARGO_TARGET_DIR:-$repo/build} p
+    if [ -z "${!var:-}" ]; then
+        for p in release debug; do
+            [ -x "$tdir/$p/$bin" ] && { printf -v "$var" %s "$tdir/$p/$bin"; break; }
+        done
     fi
-fi
-export KATABLK_VHOST
+    if [ -z "${!var:-}" ]; then
+        log "building $bin"
+        (cd "$repo" && cargo build --release -p "$pkg") >&2
+        printf -v "$var" %s "$tdir/release/$bin"
+    fi
+    export "${var?}"
+}
+case $provider in
+vhost) find_bin KATABLK_VHOST katablk-vhost katablk-vhost ;;
+csi)
+    find_bin KATABLK_TARGET katablk-target katablk-target
+    find_bin KATABLK_CSI katablk-csi katablk-csi
+    find_bin KATABLK_CSI_CTL katablk-csi-ctl katablk-csi
+    ;;
+esac
 # shellcheck source=providers/vhost.sh
 . "$here/providers/$provider.sh"
 
@@ -76,6 +96,7 @@ qemu_pid=
 cleanup() {
     [ -n "$qemu_pid" ] && kill -9 "$qemu_pid" 2>/dev/null
     provider_stop >/dev/null 2>&1 || true
+    declare -F provider_shutdown >/dev/null && provider_shutdown >/dev/null 2>&1
     rm -rf "$E2E_RUN_DIR"
 }
 trap cleanup EXIT
@@ -157,12 +178,18 @@ check_sums() {
 results=()
 for nq in $queues_list; do
     serial=katablk-e2e-q$nq
-    provider_start "disk-q$nq" "$size_mib" "$nq" "$serial"
+    DISK_SERIAL=
+    if ! provider_start "disk-q$nq" "$size_mib" "$nq" "$serial"; then
+        failures=$((failures + 1))
+        log "q$nq: FAILED: the provider ($provider) could not create and export the disk"
+        continue
+    fi
+    serial=${DISK_SERIAL:-$serial} # providers that name the disk themselves say its serial
     log "q$nq: booting the guest (TCG, $nq vCPU, num-queues=$nq) on $DISK_SOCK"
     boot_guest "$nq"
     console=$out/console-q$nq.log
     check_sums "$console" >>"$console"
-    provider_stop
+    provider_stop >>"$console" # a provider may check its own teardown (@@KATABLK lines)
     # fio's JSON, one file per job.
     for job in ${fio_jobs//,/ }; do
         [ "$job" = none ] && continue

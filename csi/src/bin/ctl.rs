@@ -62,6 +62,17 @@ enum Cmd {
         /// Volume id.
         volume_id: String,
     },
+    /// ControllerExpandVolume to SIZE_MIB, then NodeExpandVolume at TARGET when the controller
+    /// asks for it (what csi-resizer and kubelet do for a block volume in use).
+    Expand {
+        /// Volume id.
+        volume_id: String,
+        /// New size in MiB.
+        size_mib: i64,
+        /// The published target path (for NodeExpandVolume).
+        #[arg(long)]
+        target: Option<PathBuf>,
+    },
     /// ListVolumes.
     List,
 }
@@ -172,6 +183,44 @@ async fn main() -> Result<()> {
                 })
                 .await?;
             println!("deleted {volume_id}");
+        }
+        Cmd::Expand {
+            volume_id,
+            size_mib,
+            target,
+        } => {
+            let range = csi::CapacityRange {
+                required_bytes: size_mib << 20,
+                limit_bytes: 0,
+            };
+            let r = ControllerClient::new(ch.clone())
+                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    capacity_range: Some(range),
+                    volume_capability: Some(block_cap()),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let mut bytes = r.capacity_bytes;
+            if r.node_expansion_required {
+                if let Some(t) = target {
+                    let n = NodeClient::new(ch)
+                        .node_expand_volume(csi::NodeExpandVolumeRequest {
+                            volume_id,
+                            volume_path: t.display().to_string(),
+                            capacity_range: Some(range),
+                            volume_capability: Some(block_cap()),
+                            ..Default::default()
+                        })
+                        .await?
+                        .into_inner();
+                    if n.capacity_bytes > 0 {
+                        bytes = n.capacity_bytes;
+                    }
+                }
+            }
+            println!("{bytes}");
         }
         Cmd::List => {
             let r = ControllerClient::new(ch)
