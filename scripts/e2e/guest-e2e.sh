@@ -178,13 +178,13 @@ check_sums() {
 results=()
 for nq in $queues_list; do
     serial=katablk-e2e-q$nq
-    DISK_SERIAL=
+    unset DISK_SERIAL
     if ! provider_start "disk-q$nq" "$size_mib" "$nq" "$serial"; then
         failures=$((failures + 1))
         log "q$nq: FAILED: the provider ($provider) could not create and export the disk"
         continue
     fi
-    serial=${DISK_SERIAL:-$serial} # providers that name the disk themselves say its serial
+    serial=${DISK_SERIAL-$serial} # a provider may say the serial ("": not checked)
     log "q$nq: booting the guest (TCG, $nq vCPU, num-queues=$nq) on $DISK_SOCK"
     boot_guest "$nq"
     console=$out/console-q$nq.log
