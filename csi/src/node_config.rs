@@ -107,12 +107,16 @@ impl NodeConfig {
 /// The SPDK blobstore super block signature at offset 0 of an lvstore's base device.
 pub const BLOBSTORE_SIGNATURE: &[u8; 8] = b"SPDKBLOB";
 
-/// True if the first bytes of `path` carry a blobstore signature.
+/// katablk's own lvstore signature (same position, `lvol/docs/FORMAT.md`): SPDK does not
+/// recognise it, so a store of ours must be protected from `bdev_lvol_create_lvstore` too.
+pub const KATABLK_LVS_SIGNATURE: &[u8; 8] = b"KATABLOB";
+
+/// True if the first bytes of `path` carry a blobstore signature (SPDK's or katablk's).
 pub fn holds_blobstore(path: &Path) -> Result<bool> {
     let mut f = std::fs::File::open(path).map_err(|e| CsiError::io("open", path, e))?;
     let mut b = [0u8; 8];
     match f.read_exact(&mut b) {
-        Ok(()) => Ok(&b == BLOBSTORE_SIGNATURE),
+        Ok(()) => Ok(&b == BLOBSTORE_SIGNATURE || &b == KATABLK_LVS_SIGNATURE),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
         Err(e) => Err(CsiError::io("read", path, e)),
     }
@@ -297,6 +301,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("img");
         std::fs::write(&p, b"SPDKBLOB and more").unwrap();
+        assert!(holds_blobstore(&p).unwrap());
+        std::fs::write(&p, b"KATABLOB and more").unwrap();
         assert!(holds_blobstore(&p).unwrap());
         std::fs::write(&p, vec![0u8; 4096]).unwrap();
         assert!(!holds_blobstore(&p).unwrap());
