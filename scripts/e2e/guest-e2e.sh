@@ -61,7 +61,7 @@ eval "$assets_env"
 
 # --- the server ------------------------------------------------------------------------------
 provider=${KATABLK_E2E_PROVIDER:-csi}
-[ -f "$here/providers/$provider.sh" ] || { log "no provider $provider"; exit 2; }
+[ "$provider" != common ] && [ -f "$here/providers/$provider.sh" ] || { log "no provider $provider"; exit 2; }
 # find_bin VAR BINARY PACKAGE: $VAR if set, else the build directory's release or debug binary,
 # else a release build of PACKAGE.
 find_bin() {
@@ -86,6 +86,8 @@ csi)
     find_bin KATABLK_CSI_CTL katablk-csi-ctl katablk-csi
     ;;
 esac
+# shellcheck source=providers/common.sh
+. "$here/providers/common.sh"
 # shellcheck source=providers/vhost.sh
 . "$here/providers/$provider.sh"
 
@@ -96,7 +98,7 @@ qemu_pid=
 cleanup() {
     [ -n "$qemu_pid" ] && kill -9 "$qemu_pid" 2>/dev/null
     provider_stop >/dev/null 2>&1 || true
-    declare -F provider_shutdown >/dev/null && provider_shutdown >/dev/null 2>&1
+    provider_shutdown >/dev/null 2>&1 || true
     rm -rf "$E2E_RUN_DIR"
 }
 trap cleanup EXIT

@@ -29,8 +29,11 @@ mkdir -p "$out"
 status=0
 for p in csi qsd; do
     # The qsd run's reconnect/resize checks are not the point; its fio numbers are.
+    rc=0
     KATABLK_E2E_PROVIDER=$p "$here/guest-e2e.sh" --out "$out/$p" --queues "$queues" \
-        --fio "$jobs" --fio-runtime "$runtime" || { rc=$?; [ $rc = 77 ] && exit 77; [ $p = csi ] && status=$rc; }
+        --fio "$jobs" --fio-runtime "$runtime" || rc=$?
+    if [ $rc = 77 ]; then exit 77; fi
+    if [ $p = csi ] && [ $rc != 0 ]; then status=$rc; fi
 done
 python3 - "$out" <<'PY'
 import json, os, sys

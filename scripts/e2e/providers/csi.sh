@@ -21,24 +21,11 @@ CSI_POOL_MIB=${KATABLK_E2E_POOL_MIB:-2048}
 
 csi_ctl() { "$KATABLK_CSI_CTL" --endpoint "unix://$CSI_SOCK" "$@"; }
 
-# Waits for a unix socket; $2 = pid that must stay alive, $3 = its log.
-csi_wait_sock() {
-    local i
-    for i in $(seq 200); do
-        [ -S "$1" ] && return 0
-        kill -0 "$2" 2>/dev/null || break
-        sleep 0.05
-    done
-    echo "$1 did not appear; log $3:" >&2
-    tail -n 30 "$3" >&2
-    return 1
-}
-
 csi_target_spawn() {
     "$KATABLK_TARGET" -S "$CSI_STORE/block/sockets" -r "$CSI_RPC" --state-dir "$CSI_DIR/target-state" \
         >>"$E2E_LOG_DIR/server-target.log" 2>&1 &
     CSI_TARGET_PID=$!
-    csi_wait_sock "$CSI_RPC" "$CSI_TARGET_PID" "$E2E_LOG_DIR/server-target.log"
+    provider_wait_sock "$CSI_RPC" "$CSI_TARGET_PID" "$E2E_LOG_DIR/server-target.log" 200
 }
 
 # Starts katablk-target and katablk-csi once per guest-e2e run (every disk comes from one pool).
@@ -58,7 +45,7 @@ csi_stack_up() {
         --direct-volumes-dir "$CSI_DIR/direct-volumes" --state-dir "$CSI_DIR/csi-state" \
         --node-id e2e-node >>"$E2E_LOG_DIR/server-csi.log" 2>&1 &
     CSI_PID=$!
-    csi_wait_sock "$CSI_SOCK" "$CSI_PID" "$E2E_LOG_DIR/server-csi.log" || return 1
+    provider_wait_sock "$CSI_SOCK" "$CSI_PID" "$E2E_LOG_DIR/server-csi.log" 200 || return 1
     csi_ctl probe >&2
 }
 
@@ -135,12 +122,10 @@ provider_stop() {
     CSI_VOL=
 }
 
-# Called once at the end of the run (and by the EXIT trap).
+# Called once at the end of the run (the EXIT trap): both daemons stopped, leftover mounts undone.
 provider_shutdown() {
-    local p
-    for p in "${CSI_PID:-}" "${CSI_TARGET_PID:-}"; do
-        if [ -n "$p" ] && kill -TERM "$p" 2>/dev/null; then wait "$p" 2>/dev/null || true; fi
-    done
+    provider_term "${CSI_PID:-}"
+    provider_term "${CSI_TARGET_PID:-}"
     CSI_PID= CSI_TARGET_PID=
     # Bind mounts left by a failed run would keep the scratch directory busy.
     local m

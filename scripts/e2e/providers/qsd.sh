@@ -17,15 +17,7 @@ provider_start() {
         --export "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path=$DISK_SOCK,writable=on,num-queues=$3" \
         >>"$E2E_LOG_DIR/server-$QSD_NAME.log" 2>&1 &
     QSD_PID=$!
-    local i
-    for i in $(seq 100); do
-        [ -S "$DISK_SOCK" ] && return 0
-        kill -0 "$QSD_PID" 2>/dev/null || break
-        sleep 0.05
-    done
-    echo "qemu-storage-daemon did not come up; its log:" >&2
-    cat "$E2E_LOG_DIR/server-$QSD_NAME.log" >&2
-    return 1
+    provider_wait_sock "$DISK_SOCK" "$QSD_PID" "$E2E_LOG_DIR/server-$QSD_NAME.log"
 }
 
 # Not restarted (see above): the guest's loop goes on against the same server.
@@ -39,10 +31,7 @@ provider_can_grow() {
 provider_grow() { return 1; }
 
 provider_stop() {
-    if [ -n "${QSD_PID:-}" ] && kill -0 "$QSD_PID" 2>/dev/null; then
-        kill -TERM "$QSD_PID"
-        wait "$QSD_PID" 2>/dev/null || true
-    fi
+    provider_term "${QSD_PID:-}"
     QSD_PID=
     rm -f "$DISK_SOCK"
 }

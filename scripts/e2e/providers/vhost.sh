@@ -9,6 +9,8 @@
 #   provider_can_grow                            succeed if provider_grow works; else print why not
 #   provider_grow NEW_MIB                        grow the disk and notify the guest (CONFIG_CHANGE_MSG)
 #   provider_stop                                stop the server, remove what start created
+#   provider_shutdown (optional)                 once at the end of the run; common.sh has the
+#                                                no-op default and the shared helpers
 # State lives in the shell variables of the sourcing script; scratch files go under $E2E_RUN_DIR
 # (short: socket paths), logs under $E2E_LOG_DIR (kept after the run).
 
@@ -18,15 +20,7 @@ provider_vhost_spawn() {
     "$VHOST_BIN" --socket "$DISK_SOCK" --file "$DISK_BACKING" --num-queues "$VHOST_QUEUES" \
         --serial "$VHOST_SERIAL" >>"$E2E_LOG_DIR/server-$VHOST_NAME.log" 2>&1 &
     VHOST_PID=$!
-    local i
-    for i in $(seq 100); do
-        [ -S "$DISK_SOCK" ] && return 0
-        kill -0 "$VHOST_PID" 2>/dev/null || break
-        sleep 0.05
-    done
-    echo "katablk-vhost did not come up; its log:" >&2
-    cat "$E2E_LOG_DIR/server-$VHOST_NAME.log" >&2
-    return 1
+    provider_wait_sock "$DISK_SOCK" "$VHOST_PID" "$E2E_LOG_DIR/server-$VHOST_NAME.log"
 }
 
 provider_start() {
@@ -55,10 +49,7 @@ provider_can_grow() {
 provider_grow() { return 1; }
 
 provider_stop() {
-    if [ -n "${VHOST_PID:-}" ] && kill -0 "$VHOST_PID" 2>/dev/null; then
-        kill -TERM "$VHOST_PID"
-        wait "$VHOST_PID" 2>/dev/null || true
-    fi
+    provider_term "${VHOST_PID:-}"
     VHOST_PID=
     rm -f "$DISK_SOCK"
 }
