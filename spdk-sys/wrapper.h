@@ -4,8 +4,9 @@
 #include <spdk/event.h>
 #include <spdk/thread.h>
 #include <spdk/bdev.h>
-#include <spdk/bdev_module.h>
 #include <spdk/jsonrpc.h>
 #include <spdk/rpc.h>
-#include <spdk/vhost.h>
 #include <spdk/log.h>
+#include <spdk/init.h>
+#include <spdk/json.h>
+#include <spdk/util.h>

@@ -171,6 +171,19 @@ pub trait BlockDevice: Send + Sync {
     fn rescan(&self) -> Result<DeviceInfo, BdevError> {
         Ok(self.info())
     }
+
+    /// Tells the device that `[addr, addr + len)` (client memory mapped by the caller, e.g. a
+    /// guest RAM region) will hold I/O buffers, so a device that DMAs can register it (SPDK's
+    /// memory map). The mapping stays valid until [`BlockDevice::unregister_memory`]. Devices
+    /// that read and write through the CPU or the kernel ignore it.
+    fn register_memory(&self, addr: *mut u8, len: usize) {
+        let _ = (addr, len);
+    }
+
+    /// Undoes [`BlockDevice::register_memory`] for a region about to be unmapped.
+    fn unregister_memory(&self, addr: *mut u8, len: usize) {
+        let _ = (addr, len);
+    }
 }
 
 /// A per-thread submission and completion queue on a [`BlockDevice`].

@@ -3,21 +3,20 @@
 
 use std::path::{Path, PathBuf};
 
-/// The SPDK libraries katablk needs, as pkg-config package names.
+/// The SPDK libraries katablk needs, as pkg-config package names: the application framework
+/// with the bdev subsystem, every bdev module SPDK built (NVMe, AIO, malloc, null, lvol, ...),
+/// the DPDK environment (and its RPCs) and the system libraries.
 pub const PKG_CONFIG_PACKAGES: &[&str] = &[
     "spdk_event",
-    "spdk_bdev",
-    "spdk_vhost",
     "spdk_event_bdev",
-    "spdk_bdev_malloc",
-    "spdk_bdev_aio",
-    "spdk_bdev_lvol",
+    "spdk_bdev_modules",
     "spdk_env_dpdk",
+    "spdk_env_dpdk_rpc",
     "spdk_syslibs",
 ];
 
-/// Libraries whose constructors register modules (bdev modules, subsystems, RPCs): they must be
-/// linked whole, or the linker drops them.
+/// Libraries whose constructors register modules (bdev modules, subsystems, RPCs, DPDK
+/// drivers): they must be linked whole, or the linker drops them.
 pub const WHOLE_ARCHIVE_PREFIXES: &[&str] = &["spdk_", "rte_"];
 
 /// A located SPDK.
@@ -56,52 +55,38 @@ impl std::fmt::Display for LocateError {
     }
 }
 
-/// An SPDK tree or prefix: headers in `include/`, libraries in `build/lib` (a build tree) or
-/// `lib` (an install prefix), DPDK's in `dpdk/build/{include,lib}` (a build tree).
-pub fn from_spdk_dir(
-    dir: &Path,
-    libs_present: impl Fn(&Path) -> Vec<String>,
-) -> Result<SpdkInstall, LocateError> {
+/// The pkg-config directories of an SPDK tree or prefix: `build/lib/pkgconfig` (a build tree,
+/// with DPDK's in `dpdk/build/lib/pkgconfig`) or `lib/pkgconfig` (an install prefix).
+pub fn pkg_config_dirs(dir: &Path) -> Result<Vec<PathBuf>, LocateError> {
     if !dir.join("include/spdk/bdev.h").is_file() {
         return Err(LocateError::BadSpdkDir(dir.to_path_buf()));
     }
-    let mut include_dirs = vec![dir.join("include")];
-    let mut lib_dirs = Vec::new();
-    for l in [
-        "build/lib",
-        "lib",
-        "dpdk/build/lib",
-        "isa-l/.libs",
-        "isa-l-crypto/.libs",
-    ] {
-        let p = dir.join(l);
-        if p.is_dir() {
-            lib_dirs.push(p);
-        }
-    }
-    let dpdk_inc = dir.join("dpdk/build/include");
-    if dpdk_inc.is_dir() {
-        include_dirs.push(dpdk_inc);
-    }
-    let mut libs = Vec::new();
-    for d in &lib_dirs {
-        for l in libs_present(d) {
-            if !libs.contains(&l) {
-                libs.push(l);
-            }
-        }
-    }
-    if libs.is_empty() {
+    let dirs: Vec<PathBuf> = [
+        "build/lib/pkgconfig",
+        "dpdk/build/lib/pkgconfig",
+        "lib/pkgconfig",
+        "lib64/pkgconfig",
+    ]
+    .iter()
+    .map(|d| dir.join(d))
+    .filter(|d| d.is_dir())
+    .collect();
+    if dirs.is_empty() {
         return Err(LocateError::NotFound(format!(
-            "no libspdk_*/librte_* libraries under {}",
+            "no pkgconfig directory (build/lib/pkgconfig or lib/pkgconfig) under {}: build SPDK first",
             dir.display()
         )));
     }
-    Ok(SpdkInstall {
-        include_dirs,
-        lib_dirs,
-        libs,
-    })
+    Ok(dirs)
+}
+
+/// `PKG_CONFIG_PATH` with `dirs` in front of `current`.
+pub fn join_pkg_config_path(dirs: &[PathBuf], current: Option<&str>) -> String {
+    let mut parts: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    if let Some(c) = current.filter(|c| !c.is_empty()) {
+        parts.push(c.to_string());
+    }
+    parts.join(":")
 }
 
 /// Library names (`spdk_bdev` for `libspdk_bdev.a`) in a directory listing.

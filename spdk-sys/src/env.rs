@@ -12,6 +12,12 @@ pub enum EnvError {
     /// The application name is empty or too long.
     #[error("invalid application name {0:?}")]
     Name(String),
+    /// `no_huge` without a memory size (DPDK needs one then).
+    #[error("running without hugepages needs a memory size (-s)")]
+    NoHugeNeedsMemSize,
+    /// A path option is unusable.
+    #[error("{0}")]
+    Path(String),
     /// Hugepage memory below what SPDK needs to start.
     #[error("{0} MiB of hugepage memory is below SPDK's minimum of {MIN_MEM_MIB} MiB")]
     TooLittleMemory(u32),
@@ -35,6 +41,13 @@ pub struct EnvOptions {
     pub no_pci: bool,
     /// Directory of the hugetlbfs mount to use.
     pub hugedir: Option<String>,
+    /// Run without hugepages (`--no-huge`; DPDK then uses anonymous memory: fine for AIO,
+    /// malloc, null and lvol bdevs, not for NVMe or other DMA devices). Needs `mem_size_mib`.
+    pub no_huge: bool,
+    /// JSON-RPC listen address (`-r`): a unix socket path. `None`: no RPC server.
+    pub rpc_addr: Option<String>,
+    /// SPDK JSON configuration to load at start (`--json`, the format of `save_config`).
+    pub json_config: Option<String>,
 }
 
 impl Default for EnvOptions {
@@ -46,6 +59,9 @@ impl Default for EnvOptions {
             shm_id: None,
             no_pci: true,
             hugedir: None,
+            no_huge: false,
+            rpc_addr: None,
+            json_config: None,
         }
     }
 }
@@ -65,6 +81,21 @@ impl EnvOptions {
         if let Some(m) = self.mem_size_mib {
             if m < MIN_MEM_MIB {
                 return Err(EnvError::TooLittleMemory(m));
+            }
+        }
+        if self.no_huge && self.mem_size_mib.is_none() {
+            return Err(EnvError::NoHugeNeedsMemSize);
+        }
+        if let Some(r) = &self.rpc_addr {
+            if r.is_empty() || r.len() > 107 || r.contains('\0') {
+                return Err(EnvError::Path(format!(
+                    "RPC socket path {r:?} must be 1 to 107 bytes"
+                )));
+            }
+        }
+        if let Some(j) = &self.json_config {
+            if j.is_empty() || j.contains('\0') {
+                return Err(EnvError::Path(format!("invalid JSON config path {j:?}")));
             }
         }
         let hex = self
@@ -104,6 +135,15 @@ impl EnvOptions {
         if let Some(h) = &self.hugedir {
             v.extend(["--huge-dir".into(), h.clone()]);
         }
+        if self.no_huge {
+            v.push("--no-huge".into());
+        }
+        if let Some(r) = &self.rpc_addr {
+            v.extend(["-r".into(), r.clone()]);
+        }
+        if let Some(j) = &self.json_config {
+            v.extend(["--json".into(), j.clone()]);
+        }
         v
     }
 }
@@ -137,6 +177,40 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(o.validate(), Err(EnvError::TooLittleMemory(16)));
+        let o = EnvOptions {
+            no_huge: true,
+            ..Default::default()
+        };
+        assert_eq!(o.validate(), Err(EnvError::NoHugeNeedsMemSize));
+        let o = EnvOptions {
+            no_huge: true,
+            mem_size_mib: Some(512),
+            rpc_addr: Some("/var/tmp/katablk-spdk.sock".into()),
+            json_config: Some("/etc/katablk/spdk.json".into()),
+            ..Default::default()
+        };
+        assert_eq!(o.validate().unwrap(), vec![0]);
+        assert_eq!(
+            o.to_args(),
+            vec![
+                "katablk",
+                "-m",
+                "0x1",
+                "-s",
+                "512",
+                "--no-pci",
+                "--no-huge",
+                "-r",
+                "/var/tmp/katablk-spdk.sock",
+                "--json",
+                "/etc/katablk/spdk.json"
+            ]
+        );
+        let o = EnvOptions {
+            rpc_addr: Some("x".repeat(108)),
+            ..Default::default()
+        };
+        assert!(matches!(o.validate(), Err(EnvError::Path(_))));
         let o = EnvOptions {
             name: "bad name".into(),
             ..Default::default()

@@ -7,12 +7,74 @@
 //! allowlist into `OUT_DIR`, and links the SPDK and DPDK libraries (whole-archive, so their
 //! module constructors are kept); the raw bindings are then in [`ffi`].
 //!
-//! The pure-Rust parts of the safe layer — environment options and their validation, core
-//! masks, locating SPDK — are here in every build and unit-tested.
+//! The safe layer (with the feature): [`app`] starts and stops the SPDK application framework
+//! (environment, reactors, subsystems, JSON config, JSON-RPC server) on its own OS thread;
+//! [`thread`] sends messages to SPDK threads and registers pollers; [`bdev`] opens SPDK bdevs
+//! as katablk [`katablk_bdev::BlockDevice`]s (one SPDK thread and io_channel per katablk
+//! channel, guest iovecs passed straight to the bdev); [`dma`] allocates DMA-able buffers;
+//! [`mem`] registers guest memory with SPDK's memory map; [`rpc`] registers JSON-RPC methods
+//! implemented in Rust.
+//!
+//! The pure-Rust parts — environment options and their validation, core masks, locating SPDK,
+//! the JSON token conversion of RPC parameters, memory-registration alignment — are here in
+//! every build and unit-tested.
 
 #![deny(missing_docs)]
 
 pub mod env;
+pub mod json;
+pub mod mem;
+
+#[cfg(feature = "spdk")]
+pub mod app;
+#[cfg(feature = "spdk")]
+pub mod bdev;
+#[cfg(feature = "spdk")]
+pub mod dma;
+#[cfg(feature = "spdk")]
+pub mod rpc;
+#[cfg(feature = "spdk")]
+pub mod thread;
+
+/// A negative errno as text.
+fn errno(rc: i32) -> std::io::Error {
+    std::io::Error::from_raw_os_error(rc.saturating_neg())
+}
+
+/// Errors of the SPDK layer.
+#[derive(Debug, thiserror::Error)]
+pub enum SpdkError {
+    /// Invalid environment options.
+    #[error(transparent)]
+    Env(#[from] env::EnvError),
+    /// A name or argument SPDK cannot take.
+    #[error("invalid argument: {0}")]
+    InvalidName(String),
+    /// An SPDK call failed with a negative errno.
+    #[error("{0} failed: {e}", e = errno(*.1))]
+    Call(&'static str, i32),
+    /// A bdev could not be opened.
+    #[error("cannot open bdev {0}: {e}", e = errno(*.1))]
+    OpenBdev(String, i32),
+    /// The call must be made on an SPDK thread.
+    #[error("{0} must be called on an SPDK thread")]
+    NotOnSpdkThread(&'static str),
+    /// The call would block an SPDK thread.
+    #[error("blocking call made on an SPDK thread")]
+    OnSpdkThread,
+    /// The framework is not running (any more).
+    #[error("the SPDK application is not running")]
+    Stopped,
+    /// An application was already started in this process (DPDK initialises once).
+    #[error("an SPDK application was already started in this process")]
+    AlreadyStarted,
+    /// `spdk_app_start` failed.
+    #[error("SPDK failed to start (rc {0}); see its log above")]
+    StartFailed(i32),
+    /// A system call failed.
+    #[error("{0}: {1}")]
+    Io(&'static str, #[source] std::io::Error),
+}
 
 /// Where SPDK is found and what is linked (the same code `build.rs` runs).
 #[allow(missing_docs, dead_code)]
@@ -28,6 +90,7 @@ pub const ENABLED: bool = cfg!(feature = "spdk");
     non_upper_case_globals,
     non_camel_case_types,
     non_snake_case,
+    unsafe_op_in_unsafe_fn,
     dead_code,
     missing_docs,
     clippy::all,
@@ -64,20 +127,38 @@ mod tests {
     }
 
     #[test]
-    fn spdk_dir_must_hold_headers() {
+    fn spdk_dir_must_hold_headers_and_pkg_config() {
         let d = std::env::temp_dir().join(format!("spdk-sys-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(d.join("build/lib")).unwrap();
-        let e = from_spdk_dir(&d, |_| vec![]).unwrap_err();
+        let e = pkg_config_dirs(&d).unwrap_err();
         assert!(e.to_string().contains("SPDK_DIR"), "{e}");
         std::fs::create_dir_all(d.join("include/spdk")).unwrap();
         std::fs::write(d.join("include/spdk/bdev.h"), "").unwrap();
-        let e = from_spdk_dir(&d, |_| vec![]).unwrap_err();
-        assert!(e.to_string().contains("no libspdk_"), "{e}");
-        let i = from_spdk_dir(&d, |_| vec!["spdk_bdev".into()]).unwrap();
-        assert_eq!(i.libs, vec!["spdk_bdev"]);
-        assert_eq!(i.include_dirs, vec![d.join("include")]);
-        assert_eq!(i.lib_dirs, vec![d.join("build/lib")]);
+        let e = pkg_config_dirs(&d).unwrap_err();
+        assert!(e.to_string().contains("no pkgconfig directory"), "{e}");
+        std::fs::create_dir_all(d.join("build/lib/pkgconfig")).unwrap();
+        std::fs::create_dir_all(d.join("dpdk/build/lib/pkgconfig")).unwrap();
+        let dirs = pkg_config_dirs(&d).unwrap();
+        assert_eq!(
+            dirs,
+            vec![
+                d.join("build/lib/pkgconfig"),
+                d.join("dpdk/build/lib/pkgconfig")
+            ]
+        );
+        assert_eq!(
+            join_pkg_config_path(&dirs, Some("/usr/lib/pkgconfig")),
+            format!(
+                "{}:{}:/usr/lib/pkgconfig",
+                d.join("build/lib/pkgconfig").display(),
+                d.join("dpdk/build/lib/pkgconfig").display()
+            )
+        );
+        assert_eq!(
+            join_pkg_config_path(&dirs[..1], Some("")),
+            d.join("build/lib/pkgconfig").display().to_string()
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -20,7 +20,10 @@ use vhost::vhost_user::{
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestRegionMmap};
+use vm_memory::{
+    GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion,
+    GuestRegionMmap,
+};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{self, BlkOptions, CONFIG_SPACE_LEN, MAX_MEM_SLOTS};
@@ -63,6 +66,8 @@ pub struct BlkBackend {
     workers: Vec<WorkerHandle>,
     queue_worker: Vec<usize>,
     inflight: Option<Arc<InflightRegion>>,
+    /// Host ranges of guest memory announced to the device with `register_memory`.
+    registered: Vec<(usize, usize)>,
 }
 
 fn err(e: impl std::fmt::Display) -> VuError {
@@ -102,6 +107,7 @@ impl BlkBackend {
             workers,
             queue_worker,
             inflight: None,
+            registered: Vec::new(),
         })
     }
 
@@ -117,6 +123,26 @@ impl BlkBackend {
             .find(|m| va >= m.user_addr && va - m.user_addr < m.size)
             .map(|m| va - m.user_addr + m.gpa)
             .ok_or_else(|| err(format!("vring address {va:#x} is not in guest memory")))
+    }
+
+    /// Tells the device which host ranges hold guest memory now (see
+    /// [`katablk_bdev::BlockDevice::register_memory`]): ranges that went away are unregistered,
+    /// new ones registered.
+    fn sync_registration(&mut self) {
+        let now: Vec<(usize, usize)> = {
+            let mem = self.mem.memory();
+            mem.iter()
+                .map(|r| (r.as_ptr() as usize, r.len() as usize))
+                .collect()
+        };
+        let dev = &self.shared.dev;
+        for &(a, l) in self.registered.iter().filter(|r| !now.contains(r)) {
+            dev.unregister_memory(a as *mut u8, l);
+        }
+        for &(a, l) in now.iter().filter(|r| !self.registered.contains(r)) {
+            dev.register_memory(a as *mut u8, l);
+        }
+        self.registered = now;
     }
 
     fn protocol_negotiated(&self) -> bool {
@@ -255,6 +281,7 @@ impl BlkBackend {
         if let Ok(g) = self.mem.lock() {
             g.replace(GuestMem::new());
         }
+        self.sync_registration();
     }
 
     fn config(&self) -> [u8; CONFIG_SPACE_LEN] {
@@ -343,6 +370,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         let mem = GuestMem::from_regions(regions).map_err(err)?;
         self.mem.lock().map_err(err)?.replace(mem);
         self.mappings = mappings;
+        self.sync_registration();
         debug!(regions = ctx.len(), "memory table set");
         Ok(None)
     }
@@ -588,6 +616,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             size: region.memory_size,
             gpa: region.guest_phys_addr,
         });
+        self.sync_registration();
         let (gpa, size) = (region.guest_phys_addr, region.memory_size);
         debug!(gpa, size, "memory region added");
         Ok(None)
@@ -603,6 +632,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         // stays mapped until they complete.
         self.mem.lock().map_err(err)?.replace(mem);
         self.mappings.retain(|m| m.gpa != region.guest_phys_addr);
+        self.sync_registration();
         let gpa = region.guest_phys_addr;
         debug!(gpa, "memory region removed");
         Ok(())

@@ -1,0 +1,715 @@
+//! SPDK bdevs behind katablk's [`BlockDevice`] trait.
+//!
+//! [`SpdkBdev::open`] opens a bdev descriptor on the application thread. Each
+//! [`BlockDevice::open_channel`] creates a new SPDK thread (scheduled on the application's
+//! reactors) that owns an `spdk_io_channel` of the bdev and a poller. The caller's thread (a
+//! vhost-user queue worker) fills preallocated request slots with its iovecs — guest memory,
+//! passed by address — and hands slot numbers to the SPDK thread through a short queue; the
+//! poller submits them with `spdk_bdev_{readv,writev,flush,unmap,write_zeroes}_blocks`, and
+//! completion callbacks queue the results back and signal an eventfd. Data is never copied by
+//! katablk: the bdev module reads or writes the iovecs directly (AIO by the kernel, NVMe by DMA
+//! when the memory is registered, see [`crate::mem`]).
+
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::ffi::{c_void, CStr, CString};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use katablk_bdev::{
+    iovec, BdevError, BlockDevice, Completion, DeviceInfo, IoChannel, IoError, IoOp, IoRequest,
+    SubmitError,
+};
+use tracing::{debug, warn};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::ffi;
+use crate::thread::{exit_current, Poller, Thread};
+use crate::SpdkError;
+
+/// Bdev state changed by SPDK's event callback (resize, hot removal).
+#[derive(Debug)]
+struct Events {
+    num_blocks: AtomicU64,
+    removed: AtomicBool,
+}
+
+unsafe extern "C" fn bdev_event(
+    kind: ffi::spdk_bdev_event_type,
+    bdev: *mut ffi::spdk_bdev,
+    ctx: *mut c_void,
+) {
+    // SAFETY: `ctx` is the `Arc<Events>` leaked at open and released only after the
+    // descriptor is closed, so no event can arrive after it is freed.
+    let ev = unsafe { &*ctx.cast::<Events>() };
+    match kind {
+        ffi::SPDK_BDEV_EVENT_RESIZE => {
+            // SAFETY: SPDK passes the live bdev of the descriptor.
+            let n = unsafe { ffi::spdk_bdev_get_num_blocks(bdev) };
+            ev.num_blocks.store(n, Ordering::SeqCst);
+            debug!(num_blocks = n, "bdev resized");
+        }
+        ffi::SPDK_BDEV_EVENT_REMOVE => {
+            ev.removed.store(true, Ordering::SeqCst);
+            warn!("bdev hot-removed: new I/O fails until the device is closed");
+        }
+        _ => {}
+    }
+}
+
+/// A raw descriptor pointer that may cross threads (SPDK allows using a descriptor from any
+/// thread; only `spdk_bdev_close` must run on the opening thread).
+#[derive(Debug, Clone, Copy)]
+struct Desc(*mut ffi::spdk_bdev_desc);
+// SAFETY: see the type's comment; closing is always sent to the opening thread.
+unsafe impl Send for Desc {}
+// SAFETY: as above.
+unsafe impl Sync for Desc {}
+
+#[derive(Debug)]
+struct BdevShared {
+    name: String,
+    product: String,
+    owner: Thread,
+    desc: Desc,
+    events: *const Events,
+    info: DeviceInfo,
+    channels: AtomicUsize,
+}
+
+// SAFETY: `events` points to an `Events` (atomics only) kept alive until Drop; every other
+// field is Send + Sync or a handle used only through thread-safe SPDK calls.
+unsafe impl Send for BdevShared {}
+// SAFETY: as above.
+unsafe impl Sync for BdevShared {}
+
+impl BdevShared {
+    fn events(&self) -> &Events {
+        // SAFETY: valid until Drop (see the field).
+        unsafe { &*self.events }
+    }
+}
+
+impl Drop for BdevShared {
+    fn drop(&mut self) {
+        let desc = self.desc;
+        let events = self.events as usize;
+        let r = self.owner.send(move || {
+            let desc = desc;
+            // SAFETY: on the opening thread, as spdk_bdev_close requires; after it no event
+            // callback refers to `events`, which is then released.
+            unsafe {
+                ffi::spdk_bdev_close(desc.0);
+                drop(Arc::from_raw(events as *const Events));
+            }
+        });
+        if r.is_err() {
+            // The framework is gone (the app stopped first): SPDK closed everything.
+            debug!(bdev = %self.name, "SPDK stopped before the bdev was closed");
+        }
+    }
+}
+
+/// An SPDK bdev used as a katablk [`BlockDevice`].
+#[derive(Debug, Clone)]
+pub struct SpdkBdev {
+    inner: Arc<BdevShared>,
+}
+
+impl SpdkBdev {
+    /// Opens bdev `name` (for writing unless `read_only`) on SPDK thread `owner` (normally the
+    /// application thread). Call it from a non-SPDK thread.
+    pub fn open(owner: Thread, name: &str, read_only: bool) -> Result<SpdkBdev, SpdkError> {
+        let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
+        let events = Arc::new(Events {
+            num_blocks: AtomicU64::new(0),
+            removed: AtomicBool::new(false),
+        });
+        let ev_ptr = Arc::into_raw(events) as usize;
+        let opened = owner.run(move || -> Result<(Desc, DeviceInfo, String, String), i32> {
+            let mut desc: *mut ffi::spdk_bdev_desc = std::ptr::null_mut();
+            // SAFETY: on an SPDK thread; `cname` is a valid C string for the call and the
+            // event context stays alive until the descriptor is closed.
+            let rc = unsafe {
+                ffi::spdk_bdev_open_ext(
+                    cname.as_ptr(),
+                    !read_only,
+                    Some(bdev_event),
+                    ev_ptr as *mut c_void,
+                    &mut desc,
+                )
+            };
+            if rc != 0 {
+                return Err(rc);
+            }
+            // SAFETY: `desc` is open, so its bdev is live for these queries.
+            unsafe {
+                let b = ffi::spdk_bdev_desc_get_bdev(desc);
+                let block_size = ffi::spdk_bdev_get_block_size(b);
+                let num_blocks = ffi::spdk_bdev_get_num_blocks(b);
+                (*(ev_ptr as *const Events))
+                    .num_blocks
+                    .store(num_blocks, Ordering::SeqCst);
+                let phys = ffi::spdk_bdev_get_physical_block_size(b);
+                let boundary = ffi::spdk_bdev_get_optimal_io_boundary(b);
+                let product = CStr::from_ptr(ffi::spdk_bdev_get_product_name(b))
+                    .to_string_lossy()
+                    .into_owned();
+                let canonical = CStr::from_ptr(ffi::spdk_bdev_get_name(b))
+                    .to_string_lossy()
+                    .into_owned();
+                let info = DeviceInfo {
+                    block_size,
+                    num_blocks,
+                    read_only,
+                    volatile_cache: ffi::spdk_bdev_has_write_cache(b),
+                    discard: ffi::spdk_bdev_io_type_supported(b, ffi::SPDK_BDEV_IO_TYPE_UNMAP),
+                    write_zeroes: ffi::spdk_bdev_io_type_supported(
+                        b,
+                        ffi::SPDK_BDEV_IO_TYPE_WRITE_ZEROES,
+                    ),
+                    buf_align: ffi::spdk_bdev_get_buf_align(b).max(1) as u32,
+                    physical_block_size: if phys == 0 { block_size } else { phys },
+                    optimal_io_size: boundary.saturating_mul(block_size),
+                };
+                Ok((Desc(desc), info, product, canonical))
+            }
+        });
+        let (desc, info, product, canonical) = match opened {
+            Ok(Ok(v)) => v,
+            Ok(Err(rc)) => {
+                // SAFETY: the open failed, so no event can refer to the context.
+                drop(unsafe { Arc::from_raw(ev_ptr as *const Events) });
+                return Err(SpdkError::OpenBdev(name.to_string(), rc));
+            }
+            Err(e) => {
+                // SAFETY: the message never ran (or ran and failed before open).
+                drop(unsafe { Arc::from_raw(ev_ptr as *const Events) });
+                return Err(e);
+            }
+        };
+        Ok(SpdkBdev {
+            inner: Arc::new(BdevShared {
+                name: canonical,
+                product,
+                owner,
+                desc,
+                events: ev_ptr as *const Events,
+                info,
+                channels: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The bdev's name (SPDK's canonical name: a UUID for lvols opened by alias).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// SPDK's product name of the bdev ("Malloc disk", "AIO disk", "Logical Volume", ...).
+    pub fn product(&self) -> &str {
+        &self.inner.product
+    }
+
+    /// True once SPDK reported the bdev removed.
+    pub fn is_removed(&self) -> bool {
+        self.inner.events().removed.load(Ordering::SeqCst)
+    }
+}
+
+impl BlockDevice for SpdkBdev {
+    fn info(&self) -> DeviceInfo {
+        let mut i = self.inner.info.clone();
+        i.num_blocks = self.inner.events().num_blocks.load(Ordering::SeqCst);
+        i
+    }
+
+    fn open_channel(
+        &self,
+        depth: usize,
+        max_segments: usize,
+    ) -> Result<Box<dyn IoChannel>, BdevError> {
+        SpdkChannel::open(self.inner.clone(), depth, max_segments)
+            .map(|c| Box::new(c) as Box<dyn IoChannel>)
+            .map_err(|e| BdevError::Invalid(format!("SPDK channel on {}: {e}", self.inner.name)))
+    }
+
+    fn describe(&self) -> String {
+        format!("SPDK bdev {} ({})", self.inner.name, self.inner.product)
+    }
+
+    fn register_memory(&self, addr: *mut u8, len: usize) {
+        crate::mem::register(addr, len);
+    }
+
+    fn unregister_memory(&self, addr: *mut u8, len: usize) {
+        crate::mem::unregister(addr, len);
+    }
+}
+
+/// One request's state. Owned by the caller's thread while free or being filled, by the SPDK
+/// thread from the moment its index is queued until its completion is queued back.
+struct Slot {
+    op: IoOp,
+    offset_blocks: u64,
+    num_blocks: u64,
+    len: u64,
+    iov: Vec<iovec>,
+    token: u64,
+    index: u32,
+    chan: *const ChanShared,
+}
+
+struct ChanShared {
+    slots: Box<[UnsafeCell<Slot>]>,
+    submit: Mutex<Vec<u32>>,
+    done: Mutex<Vec<(u32, Result<u64, IoError>)>>,
+    /// Completions were queued since the poller last signalled.
+    pending_signal: AtomicBool,
+    efd: EventFd,
+    closing: AtomicBool,
+    bdev: Arc<BdevShared>,
+}
+
+// SAFETY: a slot is accessed by one thread at a time, handed over through the `submit` and
+// `done` mutexes (which order the accesses); the rest is Send + Sync.
+unsafe impl Send for ChanShared {}
+// SAFETY: as above.
+unsafe impl Sync for ChanShared {}
+
+impl ChanShared {
+    fn complete(&self, index: u32, r: Result<u64, IoError>) {
+        if let Ok(mut d) = self.done.lock() {
+            d.push((index, r));
+        }
+        self.pending_signal.store(true, Ordering::Release);
+    }
+}
+
+/// State of the channel's SPDK thread (lives in the poller's closure).
+struct SpdkSide {
+    shared: Arc<ChanShared>,
+    io_ch: *mut ffi::spdk_io_channel,
+    batch: Vec<u32>,
+    retry: VecDeque<u32>,
+    stopped: Option<mpsc::SyncSender<()>>,
+}
+
+unsafe extern "C" fn io_done(bdev_io: *mut ffi::spdk_bdev_io, success: bool, arg: *mut c_void) {
+    // SAFETY: SPDK passes back the bdev_io it gave us; it is freed exactly once here.
+    unsafe { ffi::spdk_bdev_free_io(bdev_io) };
+    // SAFETY: `arg` is the slot submitted by the poller, owned by the SPDK side until its
+    // completion is queued; its `chan` outlives every request in flight (the channel waits for
+    // them before it is torn down).
+    let slot = unsafe { &*arg.cast::<Slot>() };
+    // SAFETY: as above.
+    let chan = unsafe { &*slot.chan };
+    let r = if success {
+        Ok(match slot.op {
+            IoOp::Read | IoOp::Write => slot.len,
+            _ => 0,
+        })
+    } else {
+        Err(IoError::Errno(libc::EIO))
+    };
+    chan.complete(slot.index, r);
+    // The poller counts completions through the done queue (see SpdkSide::poll).
+}
+
+impl SpdkSide {
+    /// Submits slot `i`; Ok(false) when SPDK is out of bdev_io (retry later).
+    fn submit_one(&mut self, i: u32) -> bool {
+        let shared = &*self.shared;
+        let slot_cell = &shared.slots[i as usize];
+        // SAFETY: the slot index came through the submit queue, so the SPDK side owns it.
+        let slot = unsafe { &mut *slot_cell.get() };
+        if shared.bdev.events().removed.load(Ordering::SeqCst) {
+            shared.complete(i, Err(IoError::Errno(libc::ENODEV)));
+            return true;
+        }
+        let desc = shared.bdev.desc.0;
+        let arg = (slot as *mut Slot).cast::<c_void>();
+        // SAFETY: on the channel's SPDK thread, with its io channel; the iovec array and the
+        // buffers it points to stay valid until io_done runs (the slot is not reused before its
+        // completion is reaped, and the caller keeps the buffers alive per IoChannel::submit).
+        let rc = unsafe {
+            match slot.op {
+                IoOp::Read => ffi::spdk_bdev_readv_blocks(
+                    desc,
+                    self.io_ch,
+                    slot.iov.as_mut_ptr().cast(),
+                    slot.iov.len() as i32,
+                    slot.offset_blocks,
+                    slot.num_blocks,
+                    Some(io_done),
+                    arg,
+                ),
+                IoOp::Write => ffi::spdk_bdev_writev_blocks(
+                    desc,
+                    self.io_ch,
+                    slot.iov.as_mut_ptr().cast(),
+                    slot.iov.len() as i32,
+                    slot.offset_blocks,
+                    slot.num_blocks,
+                    Some(io_done),
+                    arg,
+                ),
+                IoOp::Flush => {
+                    let n = ffi::spdk_bdev_get_num_blocks(ffi::spdk_bdev_desc_get_bdev(desc));
+                    ffi::spdk_bdev_flush_blocks(desc, self.io_ch, 0, n, Some(io_done), arg)
+                }
+                IoOp::Discard => ffi::spdk_bdev_unmap_blocks(
+                    desc,
+                    self.io_ch,
+                    slot.offset_blocks,
+                    slot.num_blocks,
+                    Some(io_done),
+                    arg,
+                ),
+                IoOp::WriteZeroes { .. } => ffi::spdk_bdev_write_zeroes_blocks(
+                    desc,
+                    self.io_ch,
+                    slot.offset_blocks,
+                    slot.num_blocks,
+                    Some(io_done),
+                    arg,
+                ),
+            }
+        };
+        match rc {
+            0 => true,
+            rc if rc == -libc::ENOMEM => false,
+            rc => {
+                shared.complete(i, Err(IoError::Errno(-rc)));
+                true
+            }
+        }
+    }
+
+    fn poll(&mut self) -> bool {
+        let mut busy = false;
+        while let Some(&i) = self.retry.front() {
+            if !self.submit_one(i) {
+                break;
+            }
+            self.retry.pop_front();
+            busy = true;
+        }
+        if let Ok(mut q) = self.shared.submit.lock() {
+            std::mem::swap(&mut *q, &mut self.batch);
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        for &i in &batch {
+            busy = true;
+            if !self.retry.is_empty() || !self.submit_one(i) {
+                self.retry.push_back(i);
+            }
+        }
+        batch.clear();
+        self.batch = batch;
+        if self.shared.pending_signal.swap(false, Ordering::AcqRel) {
+            let _ = self.shared.efd.write(1);
+            busy = true;
+        }
+        busy
+    }
+}
+
+/// The caller-side half of a channel.
+struct SpdkChannel {
+    shared: Arc<ChanShared>,
+    thread: Thread,
+    free: Vec<u32>,
+    staged: Vec<u32>,
+    reaped: Vec<(u32, Result<u64, IoError>)>,
+    in_flight: usize,
+    max_segments: usize,
+    stopped: Option<mpsc::Receiver<()>>,
+}
+
+impl SpdkChannel {
+    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, SpdkError> {
+        if depth == 0 || depth > 65536 || max_segments == 0 {
+            return Err(SpdkError::InvalidName(format!(
+                "depth {depth} / segments {max_segments}"
+            )));
+        }
+        let efd = EventFd::new(EFD_NONBLOCK).map_err(|e| SpdkError::Io("eventfd", e))?;
+        let n = bdev.channels.fetch_add(1, Ordering::Relaxed);
+        let name = format!("katablk_{}_{n}", bdev.name);
+        let owner = bdev.owner;
+        let mut slots = Vec::with_capacity(depth);
+        for i in 0..depth {
+            slots.push(UnsafeCell::new(Slot {
+                op: IoOp::Flush,
+                offset_blocks: 0,
+                num_blocks: 0,
+                len: 0,
+                iov: Vec::with_capacity(max_segments),
+                token: 0,
+                index: i as u32,
+                chan: std::ptr::null(),
+            }));
+        }
+        let shared = Arc::new(ChanShared {
+            slots: slots.into_boxed_slice(),
+            submit: Mutex::new(Vec::with_capacity(depth)),
+            done: Mutex::new(Vec::with_capacity(depth)),
+            pending_signal: AtomicBool::new(false),
+            efd,
+            closing: AtomicBool::new(false),
+            bdev,
+        });
+        let self_ptr = Arc::as_ptr(&shared);
+        for s in shared.slots.iter() {
+            // SAFETY: no other thread knows the slots yet.
+            unsafe { (*s.get()).chan = self_ptr };
+        }
+        let (stop_tx, stop_rx) = mpsc::sync_channel(1);
+        let sh = shared.clone();
+        // Create the channel's thread from the owner thread, then set it up on itself.
+        let thread = owner.run(move || Thread::create(&name))??;
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), SpdkError>>(1);
+        thread.send(move || {
+            let r = start_channel_thread(sh, stop_tx);
+            let _ = ready_tx.send(r);
+        })?;
+        ready_rx.recv().map_err(|_| SpdkError::Stopped)??;
+        Ok(SpdkChannel {
+            shared,
+            thread,
+            free: (0..depth as u32).rev().collect(),
+            staged: Vec::with_capacity(depth),
+            reaped: Vec::with_capacity(depth),
+            in_flight: 0,
+            max_segments,
+            stopped: Some(stop_rx),
+        })
+    }
+}
+
+fn start_channel_thread(
+    shared: Arc<ChanShared>,
+    stopped: mpsc::SyncSender<()>,
+) -> Result<(), SpdkError> {
+    // SAFETY: on the channel's own SPDK thread; the descriptor is open.
+    let io_ch = unsafe { ffi::spdk_bdev_get_io_channel(shared.bdev.desc.0) };
+    if io_ch.is_null() {
+        exit_current()?;
+        return Err(SpdkError::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
+    }
+    let side = std::rc::Rc::new(std::cell::RefCell::new(SpdkSide {
+        shared,
+        io_ch,
+        batch: Vec::new(),
+        retry: VecDeque::new(),
+        stopped: Some(stopped),
+    }));
+    let holder: std::rc::Rc<std::cell::RefCell<Option<Poller>>> = Default::default();
+    let (s2, h2) = (side.clone(), holder.clone());
+    let poller = Poller::register(
+        move || {
+            let mut s = s2.borrow_mut();
+            let busy = s.poll();
+            if s.shared.closing.load(Ordering::Acquire) && s.retry.is_empty() {
+                // `closing` is set only after the caller reaped every completion, so nothing
+                // is in flight. Tear down outside the poller callback: a message runs after it
+                // returns.
+                let (h3, s3) = (h2.clone(), s2.clone());
+                let _ = crate::thread::send_to_current(move || teardown(&s3, &h3));
+            }
+            busy
+        },
+        0,
+    );
+    match poller {
+        Ok(p) => {
+            *holder.borrow_mut() = Some(p);
+            Ok(())
+        }
+        Err(e) => {
+            // SAFETY: on the thread that got the channel.
+            unsafe { ffi::spdk_put_io_channel(io_ch) };
+            exit_current()?;
+            Err(e)
+        }
+    }
+}
+
+fn teardown(
+    side: &std::rc::Rc<std::cell::RefCell<SpdkSide>>,
+    holder: &std::rc::Rc<std::cell::RefCell<Option<Poller>>>,
+) {
+    let Some(p) = holder.borrow_mut().take() else {
+        return;
+    };
+    drop(p);
+    let mut s = side.borrow_mut();
+    // SAFETY: on the thread that got the channel; nothing is in flight.
+    unsafe { ffi::spdk_put_io_channel(s.io_ch) };
+    s.io_ch = std::ptr::null_mut();
+    if let Err(e) = exit_current() {
+        warn!("SPDK channel thread exit: {e}");
+    }
+    if let Some(tx) = s.stopped.take() {
+        let _ = tx.send(());
+    }
+}
+
+impl IoChannel for SpdkChannel {
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
+        let info = self.shared.bdev.events();
+        let bs = u64::from(self.shared.bdev.info.block_size);
+        let size = info.num_blocks.load(Ordering::Relaxed) * bs;
+        if req.op.is_write() && self.shared.bdev.info.read_only {
+            return Err(SubmitError::ReadOnly);
+        }
+        match req.op {
+            IoOp::Discard if !self.shared.bdev.info.discard => {
+                return Err(SubmitError::Unsupported)
+            }
+            IoOp::WriteZeroes { .. } if !self.shared.bdev.info.write_zeroes => {
+                return Err(SubmitError::Unsupported)
+            }
+            _ => {}
+        }
+        if req.op != IoOp::Flush {
+            if req.offset % bs != 0 || req.len % bs != 0 {
+                return Err(SubmitError::Misaligned {
+                    offset: req.offset,
+                    len: req.len,
+                });
+            }
+            match req.offset.checked_add(req.len) {
+                Some(end) if end <= size => {}
+                _ => {
+                    return Err(SubmitError::OutOfRange {
+                        offset: req.offset,
+                        len: req.len,
+                        size,
+                    })
+                }
+            }
+        }
+        if matches!(req.op, IoOp::Read | IoOp::Write) {
+            let total: u64 = req.iov.iter().map(|v| v.iov_len as u64).sum();
+            if req.iov.is_empty() || req.iov.len() > self.max_segments || total != req.len {
+                return Err(SubmitError::BadBuffers);
+            }
+        }
+        let Some(i) = self.free.pop() else {
+            return Err(SubmitError::Full);
+        };
+        // SAFETY: a free slot belongs to this (caller-side) thread.
+        let slot = unsafe { &mut *self.shared.slots[i as usize].get() };
+        slot.op = req.op;
+        slot.offset_blocks = req.offset / bs;
+        slot.num_blocks = req.len / bs;
+        slot.len = req.len;
+        slot.token = req.token;
+        slot.iov.clear();
+        slot.iov.extend_from_slice(req.iov);
+        self.staged.push(i);
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BdevError> {
+        if self.staged.is_empty() {
+            return Ok(());
+        }
+        let mut q = self
+            .shared
+            .submit
+            .lock()
+            .map_err(|_| BdevError::Invalid("SPDK channel poisoned".into()))?;
+        q.append(&mut self.staged);
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        if let Ok(mut d) = self.shared.done.lock() {
+            std::mem::swap(&mut *d, &mut self.reaped);
+        }
+        let n = self.reaped.len();
+        for (i, r) in self.reaped.drain(..) {
+            // SAFETY: the completion handed the slot back to this thread.
+            let slot = unsafe { &*self.shared.slots[i as usize].get() };
+            out.push(Completion {
+                token: slot.token,
+                result: r,
+            });
+            self.free.push(i);
+        }
+        self.in_flight -= n;
+        n
+    }
+
+    fn wait(&mut self, timeout: Option<Duration>) -> Result<(), BdevError> {
+        if self.in_flight == 0 {
+            return Ok(());
+        }
+        if self
+            .shared
+            .done
+            .lock()
+            .map(|d| !d.is_empty())
+            .unwrap_or(true)
+        {
+            return Ok(());
+        }
+        let mut pfd = libc::pollfd {
+            fd: self.shared.efd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout
+            .map(|t| t.as_millis().min(i32::MAX as u128) as i32)
+            .unwrap_or(-1);
+        // SAFETY: `pfd` is one valid pollfd for the call.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(BdevError::Invalid(format!("poll: {e}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        Some(self.shared.efd.as_raw_fd())
+    }
+
+    fn clear_notify(&mut self) {
+        let _ = self.shared.efd.read();
+    }
+}
+
+impl Drop for SpdkChannel {
+    fn drop(&mut self) {
+        // Hand any staged requests over, then wait for every request to complete: the caller's
+        // buffers must not be touched after the channel is gone.
+        let _ = self.commit();
+        let mut sink = Vec::new();
+        while self.in_flight > 0 {
+            self.clear_notify();
+            self.poll(&mut sink);
+            if self.in_flight > 0 {
+                let _ = self.wait(Some(Duration::from_millis(100)));
+            }
+        }
+        self.shared.closing.store(true, Ordering::Release);
+        if let Some(rx) = self.stopped.take() {
+            if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+                warn!(thread = ?self.thread, "SPDK channel thread did not stop");
+            }
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Bdev I/O through the safe layer against a real SPDK (built with `--features spdk`, SPDK
+//! found through SPDK_DIR). One SPDK application per process (DPDK initialises once), so the
+//! whole sequence is one test. Without the feature the test is reported as skipped with the
+//! reason.
+#![allow(clippy::unwrap_used)]
+
+#[cfg(feature = "spdk")]
+mod with_spdk {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use katablk_bdev::{iovec, BlockDevice, Completion, IoChannel, IoOp, IoRequest, SubmitError};
+    use spdk_sys::app::SpdkApp;
+    use spdk_sys::bdev::SpdkBdev;
+    use spdk_sys::dma::DmaBuf;
+    use spdk_sys::env::EnvOptions;
+    use spdk_sys::thread::{Poller, Thread};
+    use spdk_sys::SpdkError;
+
+    fn reap(ch: &mut dyn IoChannel, n: usize) -> Vec<Completion> {
+        let mut out = Vec::new();
+        let t0 = Instant::now();
+        while out.len() < n {
+            ch.clear_notify();
+            ch.poll(&mut out);
+            if out.len() < n {
+                ch.wait(Some(Duration::from_millis(100))).unwrap();
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "I/O timed out");
+        }
+        out
+    }
+
+    fn io(ch: &mut dyn IoChannel, op: IoOp, off: u64, buf: &mut [u8]) -> Result<u64, String> {
+        let iov = [iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        let req = IoRequest {
+            op,
+            offset: off,
+            len: buf.len() as u64,
+            iov: if matches!(op, IoOp::Read | IoOp::Write) {
+                &iov
+            } else {
+                &[]
+            },
+            token: 7,
+        };
+        // SAFETY: `buf` outlives the request, which is reaped before returning.
+        unsafe { ch.submit(&req) }.map_err(|e| e.to_string())?;
+        ch.commit().unwrap();
+        let c = reap(ch, 1);
+        assert_eq!(c[0].token, 7);
+        c[0].result.map_err(|e| e.to_string())
+    }
+
+    fn pattern(seed: u8, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    }
+
+    fn exercise(dev: &SpdkBdev, label: &str) {
+        let info = dev.info();
+        assert_eq!(info.block_size, 512, "{label}");
+        let mut ch = dev.open_channel(64, 8).unwrap();
+        // Deep queue: 64 writes of 4 KiB in flight, scatter-gather in two segments each.
+        let mut bufs: Vec<Vec<u8>> = (0..64).map(|i| pattern(i as u8, 4096)).collect();
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let (a, z) = b.split_at_mut(1024);
+            let iov = [
+                iovec {
+                    iov_base: a.as_mut_ptr().cast(),
+                    iov_len: a.len(),
+                },
+                iovec {
+                    iov_base: z.as_mut_ptr().cast(),
+                    iov_len: z.len(),
+                },
+            ];
+            let req = IoRequest {
+                op: IoOp::Write,
+                offset: i as u64 * 4096,
+                len: 4096,
+                iov: &iov,
+                token: i as u64,
+            };
+            // SAFETY: the buffers live until every completion is reaped below.
+            unsafe { ch.submit(&req) }.unwrap();
+        }
+        // The 65th request does not fit.
+        let mut extra = vec![0u8; 512];
+        let iov = [iovec {
+            iov_base: extra.as_mut_ptr().cast(),
+            iov_len: 512,
+        }];
+        let req = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 512,
+            iov: &iov,
+            token: 99,
+        };
+        // SAFETY: refused, so nothing refers to the buffer afterwards.
+        assert_eq!(unsafe { ch.submit(&req) }, Err(SubmitError::Full));
+        assert_eq!(ch.in_flight(), 64);
+        ch.commit().unwrap();
+        let done = reap(&mut *ch, 64);
+        let mut tokens: Vec<u64> = done.iter().map(|c| c.token).collect();
+        tokens.sort();
+        assert_eq!(tokens, (0..64).collect::<Vec<_>>());
+        assert!(
+            done.iter().all(|c| c.result == Ok(4096)),
+            "{label}: {done:?}"
+        );
+        for i in 0..64u64 {
+            let mut r = vec![0u8; 4096];
+            assert_eq!(io(&mut *ch, IoOp::Read, i * 4096, &mut r), Ok(4096));
+            assert_eq!(r, pattern(i as u8, 4096), "{label}: block {i}");
+        }
+        assert_eq!(io(&mut *ch, IoOp::Flush, 0, &mut []), Ok(0));
+        if info.write_zeroes {
+            let mut z = vec![0u8; 8192];
+            let req = IoRequest::no_data(IoOp::WriteZeroes { unmap: false }, 8192, 8192, 3);
+            // SAFETY: no buffers.
+            unsafe { ch.submit(&req) }.unwrap();
+            ch.commit().unwrap();
+            assert_eq!(reap(&mut *ch, 1)[0].result, Ok(0));
+            assert_eq!(io(&mut *ch, IoOp::Read, 8192, &mut z), Ok(8192));
+            assert!(z.iter().all(|&b| b == 0), "{label}: write zeroes");
+        }
+        // Bad requests are refused at submission and take no slot.
+        let mut b = vec![0u8; 4096];
+        assert!(io(&mut *ch, IoOp::Read, 100, &mut b)
+            .unwrap_err()
+            .contains("misaligned"));
+        let end = info.size_bytes();
+        assert!(io(&mut *ch, IoOp::Read, end, &mut b)
+            .unwrap_err()
+            .contains("beyond"));
+        let req = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 8192,
+            iov: &[iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: 4096,
+            }],
+            token: 1,
+        };
+        // SAFETY: refused.
+        assert_eq!(unsafe { ch.submit(&req) }, Err(SubmitError::BadBuffers));
+        assert_eq!(ch.in_flight(), 0);
+        // Dropping a channel with requests in flight waits for them.
+        let mut big = vec![0u8; 1 << 20];
+        let iov = [iovec {
+            iov_base: big.as_mut_ptr().cast(),
+            iov_len: big.len(),
+        }];
+        let req = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: big.len() as u64,
+            iov: &iov,
+            token: 5,
+        };
+        // SAFETY: `big` outlives the channel, whose drop waits for the read.
+        unsafe { ch.submit(&req) }.unwrap();
+        ch.commit().unwrap();
+        drop(ch);
+        assert_eq!(&big[..4096], &pattern(0, 4096)[..]);
+    }
+
+    pub fn run() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("aio.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+        let cfg = dir.path().join("spdk.json");
+        std::fs::write(
+            &cfg,
+            serde_json::json!({"subsystems": [{"subsystem": "bdev", "config": [
+                {"method": "bdev_malloc_create",
+                 "params": {"name": "Malloc0", "num_blocks": 32768, "block_size": 512}},
+                {"method": "bdev_aio_create",
+                 "params": {"name": "aio0", "filename": img.to_str().unwrap(), "block_size": 512}}
+            ]}]})
+            .to_string(),
+        )
+        .unwrap();
+        let opts = EnvOptions {
+            name: "katablk_test".into(),
+            core_mask: "0x1".into(),
+            mem_size_mib: Some(256),
+            no_huge: true,
+            json_config: Some(cfg.to_str().unwrap().into()),
+            ..Default::default()
+        };
+        let app = SpdkApp::start(&opts).unwrap();
+        assert!(matches!(
+            SpdkApp::start(&opts),
+            Err(SpdkError::AlreadyStarted)
+        ));
+        let t = app.thread();
+        // Messages and blocking calls reach the app thread; pollers run there.
+        assert_eq!(t.run(|| Thread::current()).unwrap(), Some(t));
+        let count = Arc::new(AtomicUsize::new(0));
+        let c2 = count.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        t.send(move || {
+            // A poller that unregisters itself (through a message) after 3 runs.
+            let slot: std::rc::Rc<std::cell::RefCell<Option<Poller>>> = Default::default();
+            let s2 = slot.clone();
+            let p = Poller::register(
+                move || {
+                    if c2.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
+                        let s3 = s2.clone();
+                        spdk_sys::thread::send_to_current(move || {
+                            s3.borrow_mut().take();
+                        })
+                        .unwrap();
+                    }
+                    true
+                },
+                0,
+            )
+            .unwrap();
+            *slot.borrow_mut() = Some(p);
+            tx.send(()).unwrap();
+        })
+        .unwrap();
+        rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            3,
+            "the poller ran until it unregistered"
+        );
+        // Not from a non-SPDK thread:
+        assert!(matches!(
+            Poller::register(|| false, 0),
+            Err(SpdkError::NotOnSpdkThread(_))
+        ));
+
+        let e = SpdkBdev::open(t, "nosuch", false).unwrap_err();
+        assert!(e.to_string().contains("nosuch"), "{e}");
+
+        let malloc = SpdkBdev::open(t, "Malloc0", false).unwrap();
+        assert_eq!(malloc.name(), "Malloc0");
+        assert_eq!(malloc.product(), "Malloc disk");
+        assert_eq!(malloc.info().num_blocks, 32768);
+        exercise(&malloc, "malloc");
+
+        let aio = SpdkBdev::open(t, "aio0", false).unwrap();
+        assert_eq!(aio.product(), "AIO disk");
+        exercise(&aio, "aio");
+        // The AIO bdev really wrote the file.
+        let data = std::fs::read(&img).unwrap();
+        assert_eq!(&data[4096..8192], &pattern(1, 4096)[..]);
+
+        // Two channels on two OS threads at once.
+        let handles: Vec<_> = (0..2u8)
+            .map(|k| {
+                let d = malloc.clone();
+                std::thread::spawn(move || {
+                    let mut ch = d.open_channel(16, 4).unwrap();
+                    for i in 0..200u64 {
+                        let off = (u64::from(k) * 4096 + i % 512) * 4096;
+                        let mut w = pattern(k ^ i as u8, 4096);
+                        assert_eq!(io(&mut *ch, IoOp::Write, off, &mut w), Ok(4096));
+                        let mut r = vec![0u8; 4096];
+                        assert_eq!(io(&mut *ch, IoOp::Read, off, &mut r), Ok(4096));
+                        assert_eq!(r, pattern(k ^ i as u8, 4096));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+
+        // Read-only descriptors refuse writes before they reach SPDK.
+        let ro = SpdkBdev::open(t, "Malloc0", true).unwrap();
+        assert!(ro.info().read_only);
+        let mut ch = ro.open_channel(4, 1).unwrap();
+        let mut b = vec![0u8; 512];
+        assert!(io(&mut *ch, IoOp::Write, 0, &mut b)
+            .unwrap_err()
+            .contains("read-only"));
+        drop(ch);
+
+        // DMA-able memory from SPDK's allocator.
+        let mut buf = DmaBuf::new(1 << 20, 4096).unwrap();
+        assert_eq!(buf.as_mut_ptr() as usize % 4096, 0);
+        assert!(buf.iter().all(|&b| b == 0));
+        buf[0] = 1;
+        assert!(DmaBuf::new(0, 4096).is_err());
+        drop(buf);
+
+        drop((malloc, aio, ro));
+        app.stop().unwrap();
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "spdk"),
+    ignore = "needs SPDK: build with --features spdk and SPDK_DIR=<an SPDK build tree>"
+)]
+fn spdk_bdev_io_through_the_safe_layer() {
+    #[cfg(feature = "spdk")]
+    with_spdk::run();
+}
