@@ -15,6 +15,10 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/build/release/katablk-vhost} # server under test
 QSD=${QSD:-qemu-storage-daemon}                  # the reference server
 KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/build/release/katablk-target} # the embedded target
+KATABLK_SPDK=${KATABLK_SPDK:-$ROOT/build-spdk/release/katablk-spdk} # SPDK bdevs + katablk vhost (server kspdk)
+SPDK_VHOST=${SPDK_VHOST:-}                       # SPDK's vhost app (server spdk), e.g. <spdk>/build/bin/vhost
+SPDK_MEM_MIB=${SPDK_MEM_MIB:-2048}               # -s of SPDK's vhost / katablk-spdk (hugepages)
+SPDK_CPUMASK=${SPDK_CPUMASK:-0x1}                # reactor mask of SPDK's vhost / katablk-spdk
 BENCH_BIN_DIR=${BENCH_BIN_DIR:-$CARGO_TARGET_DIR/release}
 BUILD=${BUILD:-1}                                # 1: cargo build --release -p katablk-bench first
 NAME=${NAME:-$(date -u +%Y%m%d-%H%M%S)}
@@ -124,6 +128,23 @@ for s in $SERVERS; do
             NOTES+=("target side skipped: no katablk-target binary at $KATABLK_TARGET")
         fi
         ;;
+    kspdk)
+        if [ -x "$KATABLK_SPDK" ] && [ -x "$TBENCH" ]; then
+            active+=(kspdk)
+        else
+            log "SKIPPING kspdk: katablk-spdk not found at $KATABLK_SPDK" \
+                "(SPDK_DIR=<spdk> CARGO_TARGET_DIR=build-spdk cargo build --release -p spdk-sys --features spdk)"
+            NOTES+=("kspdk side skipped: no katablk-spdk binary at $KATABLK_SPDK")
+        fi
+        ;;
+    spdk)
+        if [ -n "$SPDK_VHOST" ] && [ -x "$SPDK_VHOST" ] && [ -x "$TBENCH" ]; then
+            active+=(spdk)
+        else
+            log "SKIPPING spdk: set SPDK_VHOST to SPDK's vhost app"
+            NOTES+=("spdk side skipped: SPDK_VHOST not set")
+        fi
+        ;;
     qsd*)
         if command -v "$QSD" >/dev/null 2>&1; then
             active+=("$s")
@@ -132,7 +153,7 @@ for s in $SERVERS; do
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;
-    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, qsd2, ...)" ;;
+    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, kspdk, spdk, qsd2, ...)" ;;
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
@@ -208,10 +229,11 @@ start_server() {
     local server=$1 case=$2 sock=$3 logf=$4
     rm -f "$sock"
     local -a cmd
-    if [ "$server" = target ]; then
-        start_target "$case" "$sock" "$logf"
+    case $server in target | kspdk | spdk)
+        start_target "$case" "$sock" "$logf" "$server"
         return
-    fi
+        ;;
+    esac
     if [ "$server" = katablk ]; then
         cmd=("$KATABLK_VHOST" --socket "$sock" --num-queues "$NUM_QUEUES")
         case $case in
@@ -268,28 +290,35 @@ start_server() {
 # the controller socket is SOCK. Sets SERVER_PID.
 TARGET_RPC=$SOCK_DIR/rpc.sock
 start_target() {
-    local case=$1 sock=$2 logf=$3 mib_blocks=$((IMG_MIB * 2048)) lvs_blocks=$(((IMG_MIB + LVS_SLACK_MIB) * 2048))
+    local case=$1 sock=$2 logf=$3 server=${4:-target} mib_blocks=$((IMG_MIB * 2048)) lvs_blocks=$(((IMG_MIB + LVS_SLACK_MIB) * 2048))
     rm -f "$TARGET_RPC"
-    local -a cmd=("$KATABLK_TARGET" -S "$(dirname "$sock")" -r "$TARGET_RPC" --max-queues "$NUM_QUEUES")
-    # shellcheck disable=SC2206
-    cmd+=($TARGET_EXTRA)
+    local -a cmd
+    case $server in
+    target)
+        cmd=("$KATABLK_TARGET" -S "$(dirname "$sock")" -r "$TARGET_RPC" --max-queues "$NUM_QUEUES")
+        # shellcheck disable=SC2206
+        cmd+=($TARGET_EXTRA)
+        ;;
+    kspdk) cmd=("$KATABLK_SPDK" -S "$(dirname "$sock")" -r "$TARGET_RPC" -m "$SPDK_CPUMASK" -s "$SPDK_MEM_MIB" --max-queues "$NUM_QUEUES") ;;
+    spdk) cmd=("$SPDK_VHOST" -S "$(dirname "$sock")" -r "$TARGET_RPC" -m "$SPDK_CPUMASK" -s "$SPDK_MEM_MIB") ;;
+    esac
     if [ -n "$SERVER_CPUS" ]; then cmd=(taskset -c "$SERVER_CPUS" "${cmd[@]}"); fi
     echo "+ ${cmd[*]}" >"$logf"
     "${cmd[@]}" >>"$logf" 2>&1 &
     SERVER_PID=$!
     if ! wait_path "$TARGET_RPC" "$SERVER_PID" "$logf"; then
         stop_server
-        die "katablk-target did not serve $TARGET_RPC; log: $logf: $(tail -3 "$logf")"
+        die "$server did not serve $TARGET_RPC; log: $logf: $(tail -3 "$logf")"
     fi
     local dev r=(trpc "$TARGET_RPC")
     {
         case $case in
         file | aio-file)
-            "${r[@]}" bdev_aio_create "{\"filename\": \"$FILE_IMG\", \"name\": \"aio0\"}"
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$FILE_IMG\", \"name\": \"aio0\", \"block_size\": 512}"
             dev=aio0
             ;;
         tmpfs)
-            "${r[@]}" bdev_aio_create "{\"filename\": \"$TMPFS_IMG\", \"name\": \"aio0\"}"
+            "${r[@]}" bdev_aio_create "{\"filename\": \"$TMPFS_IMG\", \"name\": \"aio0\", \"block_size\": 512}"
             dev=aio0
             ;;
         ram | malloc)
@@ -331,12 +360,12 @@ start_target() {
         fi
     } >>"$logf.rpc" 2>&1 || {
         stop_server
-        die "provisioning katablk-target for $case failed: $(tail -3 "$logf.rpc")" \
+        die "provisioning $server for $case failed: $(tail -3 "$logf.rpc")" \
             "$([ "$case" = lvol-file ] && echo "(REFILL=1 recreates $LVOL_IMG)")"
     }
     if ! wait_path "$sock" "$SERVER_PID" "$logf"; then
         stop_server
-        die "katablk-target did not create $sock; log: $logf"
+        die "$server did not create $sock; log: $logf"
     fi
     sleep 0.1
 }
@@ -345,6 +374,7 @@ start_target() {
 server_has() {
     case $2 in
     thin-first-write) [ "$1" = target ] ;;
+    lvol-file) case $1 in kspdk | spdk) return 1 ;; *) return 0 ;; esac ;; # SPDK cannot open katablk's lvstore image
     *) return 0 ;;
     esac
 }
@@ -355,7 +385,7 @@ server_has() {
 prefill_run() {
     local server=$1 case=$2 wl=$3 tag=$4
     case $case in malloc | lvol-ram) ;; *) return 0 ;; esac
-    case $server in katablk | target) ;; *) return 0 ;; esac
+    case $server in katablk | target | kspdk | spdk) ;; *) return 0 ;; esac
     case $wl in *read*) ;; *) return 0 ;; esac
     [ "$PREFILL_SECS" != 0 ] || return 0
     run_bench --socket "$sock" --rw write --bs 1M --iodepth 8 --runtime "$PREFILL_SECS" --ramp 0 \

@@ -103,10 +103,11 @@ impl SpdkApp {
         let Some(join) = self.join.take() else {
             return Ok(());
         };
-        // SAFETY: spdk_app_start_shutdown must run on an SPDK thread; it is sent to the app
-        // thread, which is alive while `join` has not finished.
-        self.thread
-            .send(|| unsafe { ffi::spdk_app_start_shutdown() })?;
+        self.thread.send(|| {
+            // SAFETY: spdk_app_start_shutdown must run on an SPDK thread: this message runs on
+            // the app thread, alive while `join` has not finished.
+            unsafe { ffi::spdk_app_start_shutdown() }
+        })?;
         match join.join() {
             Ok(0) => Ok(()),
             Ok(rc) => Err(SpdkError::Call("spdk_app_start", rc)),
@@ -161,6 +162,7 @@ fn run_app(o: EnvOptions, ready: mpsc::SyncSender<Result<Thread, SpdkError>>) ->
             opts.json_config_file = j.as_ptr();
             strings.push(j);
         }
+        opts.disable_cpumask_locks = o.disable_cpumask_locks;
         // katablk installs its own SIGTERM/SIGINT handling and stops the app itself.
         opts.disable_signal_handlers = true;
         Ok(())

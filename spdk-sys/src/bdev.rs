@@ -76,6 +76,8 @@ struct BdevShared {
     desc: Desc,
     events: *const Events,
     info: DeviceInfo,
+    /// The bdev handles FLUSH (lvols do not: they have no cache of their own).
+    flush: bool,
     channels: AtomicUsize,
 }
 
@@ -128,56 +130,59 @@ impl SpdkBdev {
             removed: AtomicBool::new(false),
         });
         let ev_ptr = Arc::into_raw(events) as usize;
-        let opened = owner.run(move || -> Result<(Desc, DeviceInfo, String, String), i32> {
-            let mut desc: *mut ffi::spdk_bdev_desc = std::ptr::null_mut();
-            // SAFETY: on an SPDK thread; `cname` is a valid C string for the call and the
-            // event context stays alive until the descriptor is closed.
-            let rc = unsafe {
-                ffi::spdk_bdev_open_ext(
-                    cname.as_ptr(),
-                    !read_only,
-                    Some(bdev_event),
-                    ev_ptr as *mut c_void,
-                    &mut desc,
-                )
-            };
-            if rc != 0 {
-                return Err(rc);
-            }
-            // SAFETY: `desc` is open, so its bdev is live for these queries.
-            unsafe {
-                let b = ffi::spdk_bdev_desc_get_bdev(desc);
-                let block_size = ffi::spdk_bdev_get_block_size(b);
-                let num_blocks = ffi::spdk_bdev_get_num_blocks(b);
-                (*(ev_ptr as *const Events))
-                    .num_blocks
-                    .store(num_blocks, Ordering::SeqCst);
-                let phys = ffi::spdk_bdev_get_physical_block_size(b);
-                let boundary = ffi::spdk_bdev_get_optimal_io_boundary(b);
-                let product = CStr::from_ptr(ffi::spdk_bdev_get_product_name(b))
-                    .to_string_lossy()
-                    .into_owned();
-                let canonical = CStr::from_ptr(ffi::spdk_bdev_get_name(b))
-                    .to_string_lossy()
-                    .into_owned();
-                let info = DeviceInfo {
-                    block_size,
-                    num_blocks,
-                    read_only,
-                    volatile_cache: ffi::spdk_bdev_has_write_cache(b),
-                    discard: ffi::spdk_bdev_io_type_supported(b, ffi::SPDK_BDEV_IO_TYPE_UNMAP),
-                    write_zeroes: ffi::spdk_bdev_io_type_supported(
-                        b,
-                        ffi::SPDK_BDEV_IO_TYPE_WRITE_ZEROES,
-                    ),
-                    buf_align: ffi::spdk_bdev_get_buf_align(b).max(1) as u32,
-                    physical_block_size: if phys == 0 { block_size } else { phys },
-                    optimal_io_size: boundary.saturating_mul(block_size),
+        let opened = owner.run(
+            move || -> Result<(Desc, DeviceInfo, String, String, bool), i32> {
+                let mut desc: *mut ffi::spdk_bdev_desc = std::ptr::null_mut();
+                // SAFETY: on an SPDK thread; `cname` is a valid C string for the call and the
+                // event context stays alive until the descriptor is closed.
+                let rc = unsafe {
+                    ffi::spdk_bdev_open_ext(
+                        cname.as_ptr(),
+                        !read_only,
+                        Some(bdev_event),
+                        ev_ptr as *mut c_void,
+                        &mut desc,
+                    )
                 };
-                Ok((Desc(desc), info, product, canonical))
-            }
-        });
-        let (desc, info, product, canonical) = match opened {
+                if rc != 0 {
+                    return Err(rc);
+                }
+                // SAFETY: `desc` is open, so its bdev is live for these queries.
+                unsafe {
+                    let b = ffi::spdk_bdev_desc_get_bdev(desc);
+                    let block_size = ffi::spdk_bdev_get_block_size(b);
+                    let num_blocks = ffi::spdk_bdev_get_num_blocks(b);
+                    (*(ev_ptr as *const Events))
+                        .num_blocks
+                        .store(num_blocks, Ordering::SeqCst);
+                    let phys = ffi::spdk_bdev_get_physical_block_size(b);
+                    let boundary = ffi::spdk_bdev_get_optimal_io_boundary(b);
+                    let product = CStr::from_ptr(ffi::spdk_bdev_get_product_name(b))
+                        .to_string_lossy()
+                        .into_owned();
+                    let canonical = CStr::from_ptr(ffi::spdk_bdev_get_name(b))
+                        .to_string_lossy()
+                        .into_owned();
+                    let info = DeviceInfo {
+                        block_size,
+                        num_blocks,
+                        read_only,
+                        volatile_cache: ffi::spdk_bdev_has_write_cache(b),
+                        discard: ffi::spdk_bdev_io_type_supported(b, ffi::SPDK_BDEV_IO_TYPE_UNMAP),
+                        write_zeroes: ffi::spdk_bdev_io_type_supported(
+                            b,
+                            ffi::SPDK_BDEV_IO_TYPE_WRITE_ZEROES,
+                        ),
+                        buf_align: ffi::spdk_bdev_get_buf_align(b).max(1) as u32,
+                        physical_block_size: if phys == 0 { block_size } else { phys },
+                        optimal_io_size: boundary.saturating_mul(block_size),
+                    };
+                    let flush = ffi::spdk_bdev_io_type_supported(b, ffi::SPDK_BDEV_IO_TYPE_FLUSH);
+                    Ok((Desc(desc), info, product, canonical, flush))
+                }
+            },
+        );
+        let (desc, info, product, canonical, flush) = match opened {
             Ok(Ok(v)) => v,
             Ok(Err(rc)) => {
                 // SAFETY: the open failed, so no event can refer to the context.
@@ -198,6 +203,7 @@ impl SpdkBdev {
                 desc,
                 events: ev_ptr as *const Events,
                 info,
+                flush,
                 channels: AtomicUsize::new(0),
             }),
         })
@@ -427,6 +433,8 @@ struct SpdkChannel {
     in_flight: usize,
     max_segments: usize,
     stopped: Option<mpsc::Receiver<()>>,
+    /// Requests completed without reaching SPDK (a flush of a bdev without FLUSH).
+    immediate: Vec<Completion>,
 }
 
 impl SpdkChannel {
@@ -486,6 +494,7 @@ impl SpdkChannel {
             in_flight: 0,
             max_segments,
             stopped: Some(stop_rx),
+            immediate: Vec::new(),
         })
     }
 }
@@ -599,6 +608,19 @@ impl IoChannel for SpdkChannel {
                 return Err(SubmitError::BadBuffers);
             }
         }
+        if self.in_flight >= self.shared.slots.len() {
+            return Err(SubmitError::Full);
+        }
+        if req.op == IoOp::Flush && !self.shared.bdev.flush {
+            // Nothing below SPDK's bdev caches writes (an lvol forwards to its base bdev with
+            // the same durability): the flush is complete.
+            self.immediate.push(Completion {
+                token: req.token,
+                result: Ok(0),
+            });
+            self.in_flight += 1;
+            return Ok(());
+        }
         let Some(i) = self.free.pop() else {
             return Err(SubmitError::Full);
         };
@@ -633,7 +655,8 @@ impl IoChannel for SpdkChannel {
         if let Ok(mut d) = self.shared.done.lock() {
             std::mem::swap(&mut *d, &mut self.reaped);
         }
-        let n = self.reaped.len();
+        let n = self.reaped.len() + self.immediate.len();
+        out.append(&mut self.immediate);
         for (i, r) in self.reaped.drain(..) {
             // SAFETY: the completion handed the slot back to this thread.
             let slot = unsafe { &*self.shared.slots[i as usize].get() };

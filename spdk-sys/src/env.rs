@@ -48,6 +48,9 @@ pub struct EnvOptions {
     pub rpc_addr: Option<String>,
     /// SPDK JSON configuration to load at start (`--json`, the format of `save_config`).
     pub json_config: Option<String>,
+    /// Do not lock the reactor cores (`--disable-cpumask-locks`), so that several SPDK
+    /// processes may share cores (tests, benchmarks next to another SPDK).
+    pub disable_cpumask_locks: bool,
 }
 
 impl Default for EnvOptions {
@@ -62,6 +65,7 @@ impl Default for EnvOptions {
             no_huge: false,
             rpc_addr: None,
             json_config: None,
+            disable_cpumask_locks: false,
         }
     }
 }
@@ -143,6 +147,9 @@ impl EnvOptions {
         }
         if let Some(j) = &self.json_config {
             v.extend(["--json".into(), j.clone()]);
+        }
+        if self.disable_cpumask_locks {
+            v.push("--disable-cpumask-locks".into());
         }
         v
     }

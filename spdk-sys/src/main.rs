@@ -47,6 +47,9 @@ struct Args {
     /// SPDK JSON config to load at start (save_config format).
     #[arg(short = 'c', long = "json")]
     json: Option<String>,
+    /// Do not lock the reactor cores (to share them with another SPDK process).
+    #[arg(long)]
+    disable_cpumask_locks: bool,
     /// Shared memory id (to run next to another SPDK process).
     #[arg(short = 'i', long = "shm-id")]
     shm_id: Option<i32>,
@@ -314,6 +317,7 @@ fn main() -> Result<()> {
         no_huge: args.no_huge,
         rpc_addr: Some(args.rpc_socket.clone()),
         json_config: args.json.clone(),
+        disable_cpumask_locks: args.disable_cpumask_locks,
     };
     env.validate().context("options")?;
     let state: Arc<Mutex<Option<Arc<State>>>> = Arc::new(Mutex::new(None));

@@ -195,8 +195,9 @@ mod with_spdk {
         let opts = EnvOptions {
             name: "katablk_test".into(),
             core_mask: "0x1".into(),
-            mem_size_mib: Some(256),
+            mem_size_mib: Some(1024),
             no_huge: true,
+            disable_cpumask_locks: true,
             json_config: Some(cfg.to_str().unwrap().into()),
             ..Default::default()
         };
@@ -207,7 +208,7 @@ mod with_spdk {
         ));
         let t = app.thread();
         // Messages and blocking calls reach the app thread; pollers run there.
-        assert_eq!(t.run(|| Thread::current()).unwrap(), Some(t));
+        assert_eq!(t.run(Thread::current).unwrap(), Some(t));
         let count = Arc::new(AtomicUsize::new(0));
         let c2 = count.clone();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -269,7 +270,7 @@ mod with_spdk {
                 std::thread::spawn(move || {
                     let mut ch = d.open_channel(16, 4).unwrap();
                     for i in 0..200u64 {
-                        let off = (u64::from(k) * 4096 + i % 512) * 4096;
+                        let off = (u64::from(k) * 2048 + i % 512) * 4096;
                         let mut w = pattern(k ^ i as u8, 4096);
                         assert_eq!(io(&mut *ch, IoOp::Write, off, &mut w), Ok(4096));
                         let mut r = vec![0u8; 4096];
