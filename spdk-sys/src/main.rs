@@ -143,6 +143,30 @@ fn mask_cpus(mask: &str) -> Result<Vec<usize>, MethodError> {
 }
 
 impl State {
+    fn reap_removed(&self) {
+        let gone: Vec<(String, Controller)> = match self.ctrlrs.lock() {
+            Ok(mut c) => {
+                let names: Vec<String> = c
+                    .iter()
+                    .filter(|(_, c)| c.bdev.is_removed())
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                names
+                    .into_iter()
+                    .filter_map(|n| c.remove(&n).map(|c| (n, c)))
+                    .collect()
+            }
+            Err(_) => return,
+        };
+        for (n, c) in gone {
+            warn!(ctrlr = %n, bdev = c.bdev.name(), "bdev removed: deleting its controller");
+            if let Err(e) = c.handle.stop() {
+                warn!(ctrlr = %n, "stopping: {e}");
+            }
+            remove_socket(&c.socket);
+        }
+    }
+
     fn create(&self, p: Value) -> Result<Value, MethodError> {
         let o = params_object(&p)?;
         check_keys(
@@ -351,7 +375,7 @@ fn main() -> Result<()> {
         *g = Some(st.clone());
     }
     info!(rpc = %args.rpc_socket, sockets = %st.socket_dir.display(), "katablk-spdk ready");
-    wait_for_signal()?;
+    wait_for_signal(&st)?;
     info!("shutting down");
     let ctrlrs = std::mem::take(&mut *st.ctrlrs.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
     for (n, c) in ctrlrs {
@@ -375,11 +399,19 @@ fn remove_socket(p: &Path) {
     }
 }
 
-fn wait_for_signal() -> Result<()> {
+/// Waits for SIGTERM/SIGINT; meanwhile removes controllers whose bdev SPDK hot-removed (a
+/// `bdev_*_delete` RPC, an NVMe controller gone): SPDK finishes removing the bdev only once
+/// every descriptor is closed, so the controller's server is stopped (the frontend sees the
+/// device go away, requests in flight fail) and its descriptor closed.
+fn wait_for_signal(st: &State) -> Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    if let Some(sig) = signals.forever().next() {
-        info!(sig, "signal");
+    loop {
+        if let Some(sig) = signals.pending().next() {
+            info!(sig, "signal");
+            return Ok(());
+        }
+        st.reap_removed();
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    Ok(())
 }

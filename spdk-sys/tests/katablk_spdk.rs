@@ -120,20 +120,12 @@ mod with_spdk {
             .collect()
     }
 
-    struct Daemon(Child);
-    impl Drop for Daemon {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
-    pub fn run() {
-        let dir = tempfile::tempdir().unwrap();
-        let sockets = dir.path().join("sockets");
-        std::fs::create_dir(&sockets).unwrap();
-        let rpc_sock = dir.path().join("spdk.sock");
-        let log = std::fs::File::create(dir.path().join("log")).unwrap();
+    fn start(dir: &Path, sockets: &Path, rpc_sock: &Path) -> Daemon {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("log"))
+            .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_katablk-spdk"))
             .args([
                 "-S",
@@ -157,11 +149,11 @@ mod with_spdk {
             .unwrap();
         let mut d = Daemon(child);
         let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&rpc_sock).is_err() {
+        while std::os::unix::net::UnixStream::connect(rpc_sock).is_err() {
             if let Some(st) = d.0.try_wait().unwrap() {
                 panic!(
                     "katablk-spdk exited: {st}: {}",
-                    std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
+                    std::fs::read_to_string(dir.join("log")).unwrap_or_default()
                 );
             }
             assert!(
@@ -170,6 +162,44 @@ mod with_spdk {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        d
+    }
+
+    fn sigterm(d: &mut Daemon, dir: &Path) {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        let st = loop {
+            if let Some(st) = d.0.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            st.success(),
+            "exit {st}: {}",
+            std::fs::read_to_string(dir.join("log")).unwrap_or_default()
+        );
+    }
+
+    struct Daemon(Child);
+    impl Drop for Daemon {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    pub fn run() {
+        let dir = tempfile::tempdir().unwrap();
+        let sockets = dir.path().join("sockets");
+        std::fs::create_dir(&sockets).unwrap();
+        let rpc_sock = dir.path().join("spdk.sock");
+        let mut d = start(dir.path(), &sockets, &rpc_sock);
         let s = rpc_sock.as_path();
         assert!(rpc_ok(s, &["spdk_get_version"]).contains("SPDK v"));
 
@@ -276,27 +306,67 @@ mod with_spdk {
         }
         assert!(!sock0.exists(), "socket left behind");
         rpc_ok(s, &["vhost_delete_controller", "vro"]);
-        rpc_ok(s, &["bdev_lvol_delete", "lvs0/lvol0"]);
 
-        // SIGTERM: a clean exit.
-        // SAFETY: plain kill(2) on our child.
-        unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
+        // Hot removal: deleting a bdev under a connected controller completes (its descriptor
+        // is closed), the controller goes away with its socket.
+        rpc_ok(s, &["bdev_malloc_create", "-b", "Malloc1", "8", "512"]);
+        rpc_ok(s, &["vhost_create_blk_controller", "vhot", "Malloc1"]);
+        let mut h = Blk::connect(&sockets.join("vhot"));
+        assert_eq!(h.write(0, &pattern(5, 4096)), 0);
+        rpc_ok(s, &["bdev_malloc_delete", "Malloc1"]);
         let t0 = Instant::now();
-        let st = loop {
-            if let Some(st) = d.0.try_wait().unwrap() {
-                break st;
-            }
+        while rpc(s, &["vhost_get_controllers", "-n", "vhot"])
+            .status
+            .success()
+        {
             assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "no exit after SIGTERM"
+                t0.elapsed() < Duration::from_secs(10),
+                "controller of a removed bdev stayed"
             );
             std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(
-            st.success(),
-            "exit {st}: {}",
-            std::fs::read_to_string(dir.path().join("log")).unwrap_or_default()
+        }
+        assert!(!sockets.join("vhot").exists());
+        drop(h);
+
+        // Restart: the lvstore (SPDK's own blobstore format, on the file) comes back when the
+        // aio bdev is created again, with the data written through katablk's data plane.
+        sigterm(&mut d, dir.path());
+        assert!(!sock0.exists() && !sockets.join("vro").exists());
+        let mut d = start(dir.path(), &sockets, &rpc_sock);
+        rpc_ok(
+            s,
+            &["bdev_aio_create", img.to_str().unwrap(), "aio0", "512"],
         );
+        rpc_ok(s, &["bdev_wait_for_examine"]);
+        rpc_ok(
+            s,
+            &["vhost_create_blk_controller", "vhostblk0", "lvs0/lvol0"],
+        );
+        let mut b = Blk::connect(&sock0);
+        for (i, off) in [0u64, 4096, 1 << 20, (64 << 20) - 65536].iter().enumerate() {
+            if i == 0 {
+                continue; // overwritten by the 4096 write above
+            }
+            assert_eq!(
+                b.read(*off, 65536),
+                pattern(i as u64 + 1, 65536),
+                "after restart, {off}"
+            );
+        }
+        drop(b);
+        let t0 = Instant::now();
+        while !rpc(s, &["vhost_delete_controller", "vhostblk0"])
+            .status
+            .success()
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "controller stayed busy"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        rpc_ok(s, &["bdev_lvol_delete", "lvs0/lvol0"]);
+        sigterm(&mut d, dir.path());
     }
 }
 
