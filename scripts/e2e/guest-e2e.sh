@@ -14,10 +14,14 @@
 #                  ControllerExpandVolume + NodeExpandVolume; unpublish and delete checked at the end
 #   vhost          a standalone katablk-vhost on a sparse file (no grow); the host compares the
 #                  guest's checksums with the file
+#   spdk           katablk-spdk or SPDK's own vhost app (KATABLK_E2E_SPDK_BIN) serving an SPDK
+#                  AIO bdev on a sparse file, provisioned with spdk-rpc; grow = bdev_aio_rescan
 #
 # Usage: scripts/e2e/guest-e2e.sh [--queues "1 2"] [--fio JOBS|none] [--fio-runtime S] [--out DIR]
 # Environment:
-#   KATABLK_E2E_PROVIDER  csi (default) or vhost
+#   KATABLK_E2E_PROVIDER  csi (default), vhost or spdk (see providers/spdk.sh)
+#   KATABLK_E2E_MEMFD_OPTS  extra options of the guest RAM memfd backend (",hugetlb=on" for
+#                         SPDK's vhost, which needs hugepage-backed guest RAM)
 #   KATABLK_VHOST, KATABLK_TARGET, KATABLK_CSI, KATABLK_CSI_CTL   binaries (default: the build
 #                         directory's release or debug ones, else a release build)
 #   KATABLK_E2E_CACHE     see guest-assets.sh
@@ -125,7 +129,7 @@ boot_guest() {
     for p in "${d[@]}"; do bios+=(-L "$p"); done
     LD_LIBRARY_PATH=$KATABLK_QEMU_LD_LIBRARY_PATH QEMU_MODULE_DIR=$KATABLK_QEMU_MODULE_DIR \
         "$KATABLK_QEMU" "${bios[@]}" -M q35 -accel tcg -smp "$nq" -m 512 -nic none \
-        -object memory-backend-memfd,id=mem,size=512M,share=on -numa node,memdev=mem \
+        -object "memory-backend-memfd,id=mem,size=512M,share=on${KATABLK_E2E_MEMFD_OPTS:-}" -numa node,memdev=mem \
         -chardev "socket,id=c0,path=$DISK_SOCK,reconnect=1" \
         -device "vhost-user-blk-pci,chardev=c0,num-queues=$nq" \
         -kernel "$KATABLK_KERNEL" -initrd "$KATABLK_INITRD" -append "$append" \

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use katablk_bdev::BlockDevice;
 use katablk_vhost::{BlkOptions, ServerHandle, VhostBlkServer};
 use serde_json::{json, Value};
 use spdk_sys::app::SpdkApp;
@@ -70,6 +71,8 @@ fn parse_octal(s: &str) -> Result<u32, String> {
 
 struct Controller {
     bdev: SpdkBdev,
+    /// Capacity last announced to the frontend, in blocks.
+    announced: u64,
     cpumask: String,
     readonly: bool,
     socket: PathBuf,
@@ -143,6 +146,22 @@ fn mask_cpus(mask: &str) -> Result<Vec<usize>, MethodError> {
 }
 
 impl State {
+    /// Tells connected frontends about capacity changes (SPDK resize events: an lvol resized,
+    /// an AIO file grown and rescanned) with CONFIG_CHANGE_MSG, as SPDK's vhost-blk does.
+    fn announce_resizes(&self) {
+        let Ok(mut c) = self.ctrlrs.lock() else {
+            return;
+        };
+        for (n, c) in c.iter_mut() {
+            let now = c.bdev.info().num_blocks;
+            if now != c.announced {
+                let sent = c.handle.notify_config_change();
+                info!(ctrlr = %n, blocks = now, sent, "capacity changed");
+                c.announced = now;
+            }
+        }
+    }
+
     fn reap_removed(&self) {
         let gone: Vec<(String, Controller)> = match self.ctrlrs.lock() {
             Ok(mut c) => {
@@ -239,9 +258,11 @@ impl State {
             .spawn()
             .map_err(|e| MethodError::new(-32603, e.to_string()))?;
         info!(%ctrlr, bdev = bdev.name(), socket = %socket.display(), "controller created");
+        let announced = bdev.info().num_blocks;
         ctrlrs.insert(
             ctrlr,
             Controller {
+                announced,
                 bdev,
                 cpumask,
                 readonly,
@@ -321,6 +342,7 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
     if !args.socket_dir.is_dir() {
@@ -412,6 +434,7 @@ fn wait_for_signal(st: &State) -> Result<()> {
             return Ok(());
         }
         st.reap_removed();
+        st.announce_resizes();
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
