@@ -83,11 +83,16 @@ if [ "$BUILD" = 1 ]; then
 fi
 BENCH=$BENCH_BIN_DIR/katablk-bench
 TBENCH=$BENCH_BIN_DIR/katablk-target-bench
+# ALIGN_2M=1: the client's buffers at 2 MiB-aligned addresses (SPDK's vhost needs it); by
+# default on whenever SPDK's vhost is among the servers, for every server of the run alike.
+case " $SERVERS " in *" spdk "*) ALIGN_2M=${ALIGN_2M:-1} ;; *) ALIGN_2M=${ALIGN_2M:-0} ;; esac
 run_bench() { # the client, pinned if CLIENT_CPUS is set
+    local -a extra=()
+    [ "$ALIGN_2M" = 1 ] && extra=(--align-2m)
     if [ -n "$CLIENT_CPUS" ]; then
-        taskset -c "$CLIENT_CPUS" "$BENCH" "$@"
+        taskset -c "$CLIENT_CPUS" "$BENCH" "$@" "${extra[@]}"
     else
-        "$BENCH" "$@"
+        "$BENCH" "$@" "${extra[@]}"
     fi
 }
 trpc() { # SOCK METHOD [JSON]: one JSON-RPC call to katablk-target, result on stdout

@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// How to wait for completions: busy polling (one core per job) or the eventfd.
     #[arg(long, value_enum, default_value = "event")]
     pub poll: PollMode,
+    /// Place I/O buffers in shared memory at 2 MiB-aligned addresses and sizes (SPDK's vhost
+    /// target registers guest memory in 2 MiB units and fails on other regions).
+    #[arg(long)]
+    pub align_2m: bool,
     /// Write a pattern with every I/O and read it back to check it (a smoke test; the
     /// numbers then mix writes and reads).
     #[arg(long)]
@@ -128,6 +132,7 @@ impl BenchArgs {
             },
             queue_size: self.queue_size,
             poll: self.poll,
+            align_2m: self.align_2m,
             verify: self.verify,
             seed: self.seed,
             label: self.label.clone(),

@@ -237,9 +237,16 @@ impl BlockDevice for SpdkBdev {
         depth: usize,
         max_segments: usize,
     ) -> Result<Box<dyn IoChannel>, BdevError> {
-        SpdkChannel::open(self.inner.clone(), depth, max_segments)
-            .map(|c| Box::new(c) as Box<dyn IoChannel>)
-            .map_err(|e| BdevError::Invalid(format!("SPDK channel on {}: {e}", self.inner.name)))
+        let r = if Thread::current().is_some() {
+            // Called on an SPDK thread (a queue worker run by crate::runtime): the channel
+            // lives on this thread and submits directly.
+            LocalChannel::open(self.inner.clone(), depth, max_segments)
+                .map(|c| Box::new(c) as Box<dyn IoChannel>)
+        } else {
+            SpdkChannel::open(self.inner.clone(), depth, max_segments)
+                .map(|c| Box::new(c) as Box<dyn IoChannel>)
+        };
+        r.map_err(|e| BdevError::Invalid(format!("SPDK channel on {}: {e}", self.inner.name)))
     }
 
     fn describe(&self) -> String {
@@ -341,48 +348,16 @@ impl SpdkSide {
         // buffers it points to stay valid until io_done runs (the slot is not reused before its
         // completion is reaped, and the caller keeps the buffers alive per IoChannel::submit).
         let rc = unsafe {
-            match slot.op {
-                IoOp::Read => ffi::spdk_bdev_readv_blocks(
-                    desc,
-                    self.io_ch,
-                    slot.iov.as_mut_ptr().cast(),
-                    slot.iov.len() as i32,
-                    slot.offset_blocks,
-                    slot.num_blocks,
-                    Some(io_done),
-                    arg,
-                ),
-                IoOp::Write => ffi::spdk_bdev_writev_blocks(
-                    desc,
-                    self.io_ch,
-                    slot.iov.as_mut_ptr().cast(),
-                    slot.iov.len() as i32,
-                    slot.offset_blocks,
-                    slot.num_blocks,
-                    Some(io_done),
-                    arg,
-                ),
-                IoOp::Flush => {
-                    let n = ffi::spdk_bdev_get_num_blocks(ffi::spdk_bdev_desc_get_bdev(desc));
-                    ffi::spdk_bdev_flush_blocks(desc, self.io_ch, 0, n, Some(io_done), arg)
-                }
-                IoOp::Discard => ffi::spdk_bdev_unmap_blocks(
-                    desc,
-                    self.io_ch,
-                    slot.offset_blocks,
-                    slot.num_blocks,
-                    Some(io_done),
-                    arg,
-                ),
-                IoOp::WriteZeroes { .. } => ffi::spdk_bdev_write_zeroes_blocks(
-                    desc,
-                    self.io_ch,
-                    slot.offset_blocks,
-                    slot.num_blocks,
-                    Some(io_done),
-                    arg,
-                ),
-            }
+            submit_raw(
+                desc,
+                self.io_ch,
+                slot.op,
+                &mut slot.iov,
+                slot.offset_blocks,
+                slot.num_blocks,
+                Some(io_done),
+                arg,
+            )
         };
         match rc {
             0 => true,
@@ -567,47 +542,108 @@ fn teardown(
     }
 }
 
-impl IoChannel for SpdkChannel {
-    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
-        let info = self.shared.bdev.events();
-        let bs = u64::from(self.shared.bdev.info.block_size);
-        let size = info.num_blocks.load(Ordering::Relaxed) * bs;
-        if req.op.is_write() && self.shared.bdev.info.read_only {
-            return Err(SubmitError::ReadOnly);
+/// Checks a request against the bdev before it takes a slot.
+fn validate(
+    bdev: &BdevShared,
+    req: &IoRequest<'_>,
+    max_segments: usize,
+) -> Result<(), SubmitError> {
+    let bs = u64::from(bdev.info.block_size);
+    let size = bdev.events().num_blocks.load(Ordering::Relaxed) * bs;
+    if req.op.is_write() && bdev.info.read_only {
+        return Err(SubmitError::ReadOnly);
+    }
+    match req.op {
+        IoOp::Discard if !bdev.info.discard => return Err(SubmitError::Unsupported),
+        IoOp::WriteZeroes { .. } if !bdev.info.write_zeroes => {
+            return Err(SubmitError::Unsupported)
         }
-        match req.op {
-            IoOp::Discard if !self.shared.bdev.info.discard => {
-                return Err(SubmitError::Unsupported)
-            }
-            IoOp::WriteZeroes { .. } if !self.shared.bdev.info.write_zeroes => {
-                return Err(SubmitError::Unsupported)
-            }
-            _ => {}
+        _ => {}
+    }
+    if req.op != IoOp::Flush {
+        if req.offset % bs != 0 || req.len % bs != 0 {
+            return Err(SubmitError::Misaligned {
+                offset: req.offset,
+                len: req.len,
+            });
         }
-        if req.op != IoOp::Flush {
-            if req.offset % bs != 0 || req.len % bs != 0 {
-                return Err(SubmitError::Misaligned {
+        match req.offset.checked_add(req.len) {
+            Some(end) if end <= size => {}
+            _ => {
+                return Err(SubmitError::OutOfRange {
                     offset: req.offset,
                     len: req.len,
-                });
-            }
-            match req.offset.checked_add(req.len) {
-                Some(end) if end <= size => {}
-                _ => {
-                    return Err(SubmitError::OutOfRange {
-                        offset: req.offset,
-                        len: req.len,
-                        size,
-                    })
-                }
+                    size,
+                })
             }
         }
-        if matches!(req.op, IoOp::Read | IoOp::Write) {
-            let total: u64 = req.iov.iter().map(|v| v.iov_len as u64).sum();
-            if req.iov.is_empty() || req.iov.len() > self.max_segments || total != req.len {
-                return Err(SubmitError::BadBuffers);
+    }
+    if matches!(req.op, IoOp::Read | IoOp::Write) {
+        let total: u64 = req.iov.iter().map(|v| v.iov_len as u64).sum();
+        if req.iov.is_empty() || req.iov.len() > max_segments || total != req.len {
+            return Err(SubmitError::BadBuffers);
+        }
+    }
+    Ok(())
+}
+
+/// Submits one request on the current SPDK thread; the raw return code of SPDK's call.
+///
+/// # Safety
+/// On the SPDK thread that owns `io_ch`; `slot.iov` and the buffers it points to, and `arg`,
+/// stay valid until `cb` runs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn submit_raw(
+    desc: *mut ffi::spdk_bdev_desc,
+    io_ch: *mut ffi::spdk_io_channel,
+    op: IoOp,
+    iov: &mut [iovec],
+    offset_blocks: u64,
+    num_blocks: u64,
+    cb: ffi::spdk_bdev_io_completion_cb,
+    arg: *mut c_void,
+) -> i32 {
+    // SAFETY: per the function's contract.
+    unsafe {
+        match op {
+            IoOp::Read => ffi::spdk_bdev_readv_blocks(
+                desc,
+                io_ch,
+                iov.as_mut_ptr().cast(),
+                iov.len() as i32,
+                offset_blocks,
+                num_blocks,
+                cb,
+                arg,
+            ),
+            IoOp::Write => ffi::spdk_bdev_writev_blocks(
+                desc,
+                io_ch,
+                iov.as_mut_ptr().cast(),
+                iov.len() as i32,
+                offset_blocks,
+                num_blocks,
+                cb,
+                arg,
+            ),
+            IoOp::Flush => {
+                let n = ffi::spdk_bdev_get_num_blocks(ffi::spdk_bdev_desc_get_bdev(desc));
+                ffi::spdk_bdev_flush_blocks(desc, io_ch, 0, n, cb, arg)
+            }
+            IoOp::Discard => {
+                ffi::spdk_bdev_unmap_blocks(desc, io_ch, offset_blocks, num_blocks, cb, arg)
+            }
+            IoOp::WriteZeroes { .. } => {
+                ffi::spdk_bdev_write_zeroes_blocks(desc, io_ch, offset_blocks, num_blocks, cb, arg)
             }
         }
+    }
+}
+
+impl IoChannel for SpdkChannel {
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
+        validate(&self.shared.bdev, req, self.max_segments)?;
+        let bs = u64::from(self.shared.bdev.info.block_size);
         if self.in_flight >= self.shared.slots.len() {
             return Err(SubmitError::Full);
         }
@@ -734,5 +770,254 @@ impl Drop for SpdkChannel {
                 warn!(thread = ?self.thread, "SPDK channel thread did not stop");
             }
         }
+    }
+}
+
+/// Completions queued by callbacks on a [`LocalChannel`]'s thread: (slot, result).
+type LocalDone = std::cell::RefCell<Vec<(u32, Result<u64, IoError>)>>;
+
+/// A request slot of a [`LocalChannel`].
+struct LocalSlot {
+    op: IoOp,
+    offset_blocks: u64,
+    num_blocks: u64,
+    len: u64,
+    iov: Vec<iovec>,
+    token: u64,
+    index: u32,
+    done: *const LocalDone,
+}
+
+unsafe extern "C" fn local_io_done(
+    bdev_io: *mut ffi::spdk_bdev_io,
+    success: bool,
+    arg: *mut c_void,
+) {
+    // SAFETY: SPDK passes back the bdev_io it gave us; freed once here.
+    unsafe { ffi::spdk_bdev_free_io(bdev_io) };
+    // SAFETY: `arg` is a slot of a LocalChannel, whose slots and completion list stay
+    // allocated while requests are in flight (a channel dropped early leaks them), and this
+    // callback runs on the channel's own thread.
+    let slot = unsafe { &*arg.cast::<LocalSlot>() };
+    let r = if success {
+        Ok(match slot.op {
+            IoOp::Read | IoOp::Write => slot.len,
+            _ => 0,
+        })
+    } else {
+        Err(IoError::Errno(libc::EIO))
+    };
+    // SAFETY: as above.
+    unsafe { &*slot.done }.borrow_mut().push((slot.index, r));
+}
+
+/// A channel used on the SPDK thread that made it: requests go straight to SPDK in `commit`,
+/// completion callbacks (run by the same thread's pollers) queue the results, `poll` reaps
+/// them. Nothing blocks and nothing crosses threads: this is how queue workers polled by an
+/// SPDK reactor ([`crate::runtime::SpdkRuntime`]) do I/O, like SPDK's own vhost target.
+struct LocalChannel {
+    bdev: Arc<BdevShared>,
+    io_ch: *mut ffi::spdk_io_channel,
+    thread: Thread,
+    slots: Box<[UnsafeCell<LocalSlot>]>,
+    done: Box<LocalDone>,
+    free: Vec<u32>,
+    staged: Vec<u32>,
+    retry: VecDeque<u32>,
+    immediate: Vec<Completion>,
+    in_flight: usize,
+    max_segments: usize,
+}
+
+// SAFETY: a LocalChannel is only used on the SPDK thread that opened it (the queue worker that
+// owns it is polled there and nowhere else); it is moved across threads only as part of a
+// worker before its first use.
+unsafe impl Send for LocalChannel {}
+
+impl LocalChannel {
+    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, SpdkError> {
+        if depth == 0 || depth > 65536 || max_segments == 0 {
+            return Err(SpdkError::InvalidName(format!(
+                "depth {depth} / segments {max_segments}"
+            )));
+        }
+        let thread = Thread::current().ok_or(SpdkError::NotOnSpdkThread("LocalChannel"))?;
+        // SAFETY: on an SPDK thread; the descriptor is open.
+        let io_ch = unsafe { ffi::spdk_bdev_get_io_channel(bdev.desc.0) };
+        if io_ch.is_null() {
+            return Err(SpdkError::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
+        }
+        let done = Box::new(std::cell::RefCell::new(Vec::with_capacity(depth)));
+        let done_ptr: *const _ = &*done;
+        let slots = (0..depth)
+            .map(|i| {
+                UnsafeCell::new(LocalSlot {
+                    op: IoOp::Flush,
+                    offset_blocks: 0,
+                    num_blocks: 0,
+                    len: 0,
+                    iov: Vec::with_capacity(max_segments),
+                    token: 0,
+                    index: i as u32,
+                    done: done_ptr,
+                })
+            })
+            .collect();
+        Ok(LocalChannel {
+            bdev,
+            io_ch,
+            thread,
+            slots,
+            done,
+            free: (0..depth as u32).rev().collect(),
+            staged: Vec::with_capacity(depth),
+            retry: VecDeque::new(),
+            immediate: Vec::new(),
+            in_flight: 0,
+            max_segments,
+        })
+    }
+
+    /// Submits slot `i`: false when SPDK is out of bdev_io (retry later).
+    fn submit_one(&mut self, i: u32) -> bool {
+        // SAFETY: a staged or retried slot is owned by this channel until its completion.
+        let slot = unsafe { &mut *self.slots[i as usize].get() };
+        if self.bdev.events().removed.load(Ordering::SeqCst) {
+            self.done
+                .borrow_mut()
+                .push((i, Err(IoError::Errno(libc::ENODEV))));
+            return true;
+        }
+        let arg = (slot as *mut LocalSlot).cast::<c_void>();
+        // SAFETY: on the channel's thread with its io channel; the slot's iovecs and the
+        // caller's buffers stay valid until local_io_done runs.
+        let rc = unsafe {
+            submit_raw(
+                self.bdev.desc.0,
+                self.io_ch,
+                slot.op,
+                &mut slot.iov,
+                slot.offset_blocks,
+                slot.num_blocks,
+                Some(local_io_done),
+                arg,
+            )
+        };
+        match rc {
+            0 => true,
+            rc if rc == -libc::ENOMEM => false,
+            rc => {
+                self.done.borrow_mut().push((i, Err(IoError::Errno(-rc))));
+                true
+            }
+        }
+    }
+}
+
+impl IoChannel for LocalChannel {
+    unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
+        validate(&self.bdev, req, self.max_segments)?;
+        if self.in_flight >= self.slots.len() {
+            return Err(SubmitError::Full);
+        }
+        if req.op == IoOp::Flush && !self.bdev.flush {
+            self.immediate.push(Completion {
+                token: req.token,
+                result: Ok(0),
+            });
+            self.in_flight += 1;
+            return Ok(());
+        }
+        let Some(i) = self.free.pop() else {
+            return Err(SubmitError::Full);
+        };
+        let bs = u64::from(self.bdev.info.block_size);
+        // SAFETY: a free slot belongs to this channel.
+        let slot = unsafe { &mut *self.slots[i as usize].get() };
+        slot.op = req.op;
+        slot.offset_blocks = req.offset / bs;
+        slot.num_blocks = req.len / bs;
+        slot.len = req.len;
+        slot.token = req.token;
+        slot.iov.clear();
+        slot.iov.extend_from_slice(req.iov);
+        self.staged.push(i);
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BdevError> {
+        let staged = std::mem::take(&mut self.staged);
+        for &i in &staged {
+            if !self.retry.is_empty() || !self.submit_one(i) {
+                self.retry.push_back(i);
+            }
+        }
+        self.staged = staged;
+        self.staged.clear();
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        while let Some(&i) = self.retry.front() {
+            if !self.submit_one(i) {
+                break;
+            }
+            self.retry.pop_front();
+        }
+        let mut n = self.immediate.len();
+        out.append(&mut self.immediate);
+        let done = std::mem::take(&mut *self.done.borrow_mut());
+        for &(i, r) in &done {
+            // SAFETY: the completion handed the slot back.
+            let slot = unsafe { &*self.slots[i as usize].get() };
+            out.push(Completion {
+                token: slot.token,
+                result: r,
+            });
+            self.free.push(i);
+        }
+        n += done.len();
+        let mut done = done;
+        done.clear();
+        *self.done.borrow_mut() = done;
+        self.in_flight -= n;
+        n
+    }
+
+    fn wait(&mut self, _timeout: Option<Duration>) -> Result<(), BdevError> {
+        // Never block an SPDK thread: completions arrive when it polls.
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn notify_fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+impl Drop for LocalChannel {
+    fn drop(&mut self) {
+        if Thread::current() != Some(self.thread) {
+            warn!("SPDK channel dropped off its thread: its io_channel is leaked");
+            return;
+        }
+        if self.in_flight > self.immediate.len() {
+            // Completions will still write into the slots: keep them (and the channel) alive.
+            warn!(
+                in_flight = self.in_flight,
+                "SPDK channel dropped with requests in flight: leaking it"
+            );
+            let slots = std::mem::take(&mut self.slots);
+            std::mem::forget(slots);
+            let done = std::mem::take(&mut self.done);
+            std::mem::forget(done);
+            return;
+        }
+        // SAFETY: on the thread that got the channel; nothing is in flight.
+        unsafe { ffi::spdk_put_io_channel(self.io_ch) };
     }
 }

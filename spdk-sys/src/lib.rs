@@ -34,6 +34,8 @@ pub mod dma;
 #[cfg(feature = "spdk")]
 pub mod rpc;
 #[cfg(feature = "spdk")]
+pub mod runtime;
+#[cfg(feature = "spdk")]
 pub mod thread;
 
 /// A negative errno as text.

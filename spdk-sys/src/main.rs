@@ -60,6 +60,11 @@ struct Args {
     /// Queues offered per controller.
     #[arg(long, default_value_t = 4)]
     max_queues: u16,
+    /// Run each controller's queue workers on their own OS threads (adaptive polling, epoll
+    /// when idle) instead of as SPDK threads polled by the reactors (the default: requests go
+    /// from the virtqueue to the bdev and back on one core, as in SPDK's vhost).
+    #[arg(long)]
+    worker_threads: bool,
     /// Permission bits of controller sockets.
     #[arg(long, default_value = "660", value_parser = parse_octal)]
     socket_mode: u32,
@@ -81,6 +86,7 @@ struct Controller {
 
 struct State {
     app: Thread,
+    runtime: Option<katablk_vhost::RuntimeHandle>,
     socket_dir: PathBuf,
     poll_us: u32,
     max_queues: u16,
@@ -245,6 +251,7 @@ impl State {
             serial: ctrlr.chars().take(20).collect(),
             poll_us: self.poll_us,
             cpus,
+            runtime: self.runtime.clone(),
             ..Default::default()
         };
         let server = VhostBlkServer::bind(
@@ -385,8 +392,15 @@ fn main() -> Result<()> {
         })?;
     }
     let app = SpdkApp::start(&env).context("starting SPDK")?;
+    let runtime = (!args.worker_threads).then(|| {
+        katablk_vhost::RuntimeHandle(Arc::new(spdk_sys::runtime::SpdkRuntime::new(
+            app.thread(),
+            app.cores().to_vec(),
+        )))
+    });
     let st = Arc::new(State {
         app: app.thread(),
+        runtime,
         socket_dir,
         poll_us: args.poll_us,
         max_queues: args.max_queues,

@@ -73,6 +73,28 @@ impl Thread {
         Ok(Thread(t))
     }
 
+    /// Like [`Thread::create`], restricted to reactor `core` when given.
+    pub fn create_on(name: &str, core: Option<u32>) -> Result<Thread, SpdkError> {
+        let Some(core) = core else {
+            return Thread::create(name);
+        };
+        if Thread::current().is_none() {
+            return Err(SpdkError::NotOnSpdkThread("spdk_thread_create"));
+        }
+        let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
+        let mut set = ffi::spdk_cpuset::default();
+        // SAFETY: `set` is a valid cpuset; SPDK copies it and the name.
+        let t = unsafe {
+            ffi::spdk_cpuset_zero(&mut set);
+            ffi::spdk_cpuset_set_cpu(&mut set, core, true);
+            ffi::spdk_thread_create(cname.as_ptr(), &set)
+        };
+        if t.is_null() {
+            return Err(SpdkError::Call("spdk_thread_create", -libc::ENOMEM));
+        }
+        Ok(Thread(t))
+    }
+
     /// Runs `f` on this thread, later. Fails if the thread no longer takes messages.
     pub fn send(&self, f: impl FnOnce() + Send + 'static) -> Result<(), SpdkError> {
         let b: Box<Msg> = Box::new(Box::new(f));

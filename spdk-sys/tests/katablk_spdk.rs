@@ -120,7 +120,7 @@ mod with_spdk {
             .collect()
     }
 
-    fn start(dir: &Path, sockets: &Path, rpc_sock: &Path) -> Daemon {
+    fn start(dir: &Path, sockets: &Path, rpc_sock: &Path, extra: &[&str]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -141,6 +141,7 @@ mod with_spdk {
                 "0x1",
                 "--disable-cpumask-locks",
             ])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -199,7 +200,8 @@ mod with_spdk {
         let sockets = dir.path().join("sockets");
         std::fs::create_dir(&sockets).unwrap();
         let rpc_sock = dir.path().join("spdk.sock");
-        let mut d = start(dir.path(), &sockets, &rpc_sock);
+        // Queue workers polled by the reactor (the default).
+        let mut d = start(dir.path(), &sockets, &rpc_sock, &[]);
         let s = rpc_sock.as_path();
         assert!(rpc_ok(s, &["spdk_get_version"]).contains("SPDK v"));
 
@@ -352,7 +354,8 @@ mod with_spdk {
         // aio bdev is created again, with the data written through katablk's data plane.
         sigterm(&mut d, dir.path());
         assert!(!sock0.exists() && !sockets.join("vro").exists());
-        let mut d = start(dir.path(), &sockets, &rpc_sock);
+        // ... now with the queue workers on their own threads (--worker-threads).
+        let mut d = start(dir.path(), &sockets, &rpc_sock, &["--worker-threads"]);
         rpc_ok(
             s,
             &["bdev_aio_create", img.to_str().unwrap(), "aio0", "512"],

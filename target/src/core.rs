@@ -780,6 +780,7 @@ impl Target {
             queue_threads: masks,
             writeback: true,
             cpus: cpumask.cpus().to_vec(),
+            runtime: None,
         };
         let server = VhostBlkServer::bind(&socket, dev, opts, Some(self.settings.socket_mode))
             .map_err(|e| einval(e.to_string()))?;

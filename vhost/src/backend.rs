@@ -93,7 +93,13 @@ impl BlkBackend {
                 }
             }
             let cpu = (!opts.cpus.is_empty()).then(|| opts.cpus[t % opts.cpus.len()]);
-            workers.push(WorkerHandle::spawn(t, shared.clone(), mem.clone(), cpu)?);
+            workers.push(WorkerHandle::spawn(
+                t,
+                shared.clone(),
+                mem.clone(),
+                cpu,
+                opts.runtime.as_ref(),
+            )?);
         }
         Ok(BlkBackend {
             vrings: (0..opts.num_queues).map(|_| Vring::default()).collect(),

@@ -43,6 +43,43 @@ pub struct BlkOptions {
     pub writeback: bool,
     /// CPUs the worker threads are pinned to (empty: no pinning).
     pub cpus: Vec<usize>,
+    /// Where the queue workers run: `None`, one OS thread each (adaptive polling, epoll when
+    /// idle); or an external [`WorkerRuntime`] that calls each worker's step function (e.g. an
+    /// SPDK poller on a reactor, next to the bdev's own pollers).
+    pub runtime: Option<RuntimeHandle>,
+}
+
+/// One iteration of a queue worker: true while the worker lives, false once it has exited (the
+/// runtime must then stop calling it).
+pub type WorkerStep = Box<dyn FnMut() -> bool + Send>;
+
+/// An executor of queue workers other than katablk's own threads. The runtime calls the step
+/// function over and over (it must never block: requests complete by polling); the worker
+/// keeps guest notifications off while it is polled.
+pub trait WorkerRuntime: Send + Sync {
+    /// Starts calling `step` (named `name`, preferably on `cpu`) until it returns false.
+    fn spawn(
+        &self,
+        name: String,
+        cpu: Option<usize>,
+        step: WorkerStep,
+    ) -> Result<Box<dyn WorkerJoin>, Error>;
+}
+
+/// Waits for a worker started by a [`WorkerRuntime`] to return false from its step.
+pub trait WorkerJoin: Send {
+    /// Blocks until the worker has exited (never called from the runtime's own threads).
+    fn join(self: Box<Self>);
+}
+
+/// A shared [`WorkerRuntime`] (cloneable, printable in options).
+#[derive(Clone)]
+pub struct RuntimeHandle(pub std::sync::Arc<dyn WorkerRuntime>);
+
+impl std::fmt::Debug for RuntimeHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RuntimeHandle(..)")
+    }
 }
 
 impl Default for BlkOptions {
@@ -56,6 +93,7 @@ impl Default for BlkOptions {
             queue_threads: Vec::new(),
             writeback: true,
             cpus: Vec::new(),
+            runtime: None,
         }
     }
 }

@@ -130,6 +130,7 @@ fn main() -> Result<()> {
         queue_threads: args.queue_threads.clone(),
         writeback: !args.writethrough,
         cpus: args.cpus.clone(),
+        runtime: None,
     };
     let server = VhostBlkServer::bind(&args.socket, dev, opts, args.socket_mode)
         .context("cannot start the server")?;

@@ -70,6 +70,7 @@ pub(crate) struct WorkerHandle {
     pending: Arc<AtomicBool>,
     wake: EventFd,
     thread: Option<std::thread::JoinHandle<()>>,
+    external: Option<Box<dyn crate::config::WorkerJoin>>,
 }
 
 impl WorkerHandle {
@@ -78,6 +79,7 @@ impl WorkerHandle {
         shared: Arc<DeviceShared>,
         mem: GuestMemoryAtomic<GuestMem>,
         cpu: Option<usize>,
+        runtime: Option<&crate::config::RuntimeHandle>,
     ) -> Result<Self, Error> {
         let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Sys("eventfd", e))?;
         let cmds = Arc::new(Mutex::new(VecDeque::new()));
@@ -99,7 +101,23 @@ impl WorkerHandle {
             mem,
             queues: Vec::new(),
             done: Vec::with_capacity(256),
+            external: runtime.is_some(),
+            exiting: false,
         };
+        if let Some(rt) = runtime {
+            let join = rt.0.spawn(
+                format!("katablk-q{id}"),
+                cpu,
+                Box::new(move || worker.step()),
+            )?;
+            return Ok(WorkerHandle {
+                cmds,
+                pending,
+                wake,
+                thread: None,
+                external: Some(join),
+            });
+        }
         let thread = std::thread::Builder::new()
             .name(format!("katablk-q{id}"))
             .spawn(move || {
@@ -114,6 +132,7 @@ impl WorkerHandle {
             pending,
             wake,
             thread: Some(thread),
+            external: None,
         })
     }
 
@@ -138,6 +157,9 @@ impl Drop for WorkerHandle {
         self.send(Cmd::Exit);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        if let Some(j) = self.external.take() {
+            j.join();
         }
     }
 }
@@ -201,9 +223,34 @@ struct Worker {
     mem: GuestMemoryAtomic<GuestMem>,
     queues: Vec<Active>,
     done: Vec<Completion>,
+    /// Driven by an external runtime's step calls: never block, never sleep.
+    external: bool,
+    /// Exit was requested (external mode): finish once every queue has drained.
+    exiting: bool,
 }
 
 impl Worker {
+    /// One iteration under an external runtime; false once the worker has exited.
+    fn step(&mut self) -> bool {
+        if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
+            return false;
+        }
+        let mem = self.mem.memory().into_inner();
+        for i in 0..self.queues.len() {
+            self.service(i, &mem);
+        }
+        self.finish_stops();
+        if self.exiting && self.queues.iter().all(|q| q.chan.in_flight() == 0) {
+            for i in 0..self.queues.len() {
+                self.reap(i, &mem);
+                self.notify(i, &mem);
+            }
+            self.queues.clear();
+            return false;
+        }
+        true
+    }
+
     fn run(&mut self) {
         let mut events = vec![EpollEvent::default(); 64];
         let mut last_busy = Instant::now();
@@ -286,6 +333,11 @@ impl Worker {
             };
             let Some(cmd) = cmd else { return true };
             match cmd {
+                Cmd::Exit if self.external => {
+                    // Polled by a runtime: stop taking requests and finish (in `step`) once
+                    // what is in flight has completed.
+                    self.exiting = true;
+                }
                 Cmd::Exit => {
                     // Drain what is in flight so no request touches memory after we return.
                     for i in 0..self.queues.len() {
@@ -354,6 +406,12 @@ impl Worker {
                 ranges: Vec::new(),
             })
             .collect();
+        let mut ctx = ctx;
+        if self.external {
+            // Polled continuously: the driver need not kick.
+            let mem = self.mem.memory();
+            let _ = ctx.queue.disable_notification(&*mem);
+        }
         debug!(queue = index, size, "queue started");
         self.queues.push(Active {
             ctx,
@@ -386,7 +444,17 @@ impl Worker {
         let mut i = 0;
         while i < self.queues.len() {
             if self.queues[i].stopping.is_some() {
-                self.drain(i);
+                if self.external {
+                    let mem = self.mem.memory().into_inner();
+                    self.reap(i, &mem);
+                    if self.queues[i].chan.in_flight() > 0 {
+                        i += 1;
+                        continue;
+                    }
+                    self.notify(i, &mem);
+                } else {
+                    self.drain(i);
+                }
                 let q = self.queues.swap_remove(i);
                 let _ = self.epoll.ctl(
                     ControlOperation::Delete,
@@ -411,7 +479,11 @@ impl Worker {
     /// Reaps completions and takes new requests of queue `i`; true if anything happened.
     fn service(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
         let mut progress = self.reap(i, mem);
-        if !self.queues[i].broken && self.queues[i].stopping.is_none() && self.take(i, mem) {
+        if !self.queues[i].broken
+            && !self.exiting
+            && self.queues[i].stopping.is_none()
+            && self.take(i, mem)
+        {
             progress = true;
             // Devices that complete inline (RAM, page cache) are done by now: put their
             // completions in the used ring in the same batch, with one notification.
@@ -786,6 +858,8 @@ mod tests {
             mem: mem.clone(),
             queues: Vec::new(),
             done: Vec::new(),
+            external: false,
+            exiting: false,
         }
     }
 
