@@ -64,8 +64,15 @@ pub enum ChainError {
 
 fn read_desc(mem: &GuestMem, addr: u64) -> Result<(u64, u32, u16, u16), ChainError> {
     let mut raw = [0u8; DESC_SIZE as usize];
-    mem.read_slice(&mut raw, GuestAddress(addr))
-        .map_err(|_| ChainError::DescUnreadable(addr))?;
+    match crate::host_range(mem, addr, DESC_SIZE as usize) {
+        // SAFETY: the 16 bytes lie inside a mapped guest region that `mem` keeps mapped; a
+        // volatile read of a byte array has no alignment requirement and tolerates the guest
+        // changing the bytes meanwhile.
+        Some(p) => raw = unsafe { std::ptr::read_volatile(p.cast::<[u8; DESC_SIZE as usize]>()) },
+        None => mem
+            .read_slice(&mut raw, GuestAddress(addr))
+            .map_err(|_| ChainError::DescUnreadable(addr))?,
+    }
     let a = u64::from_le_bytes([
         raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7],
     ]);
@@ -88,7 +95,10 @@ fn push_seg(
     if !writable && out.last().is_some_and(|s| s.writable) {
         return Err(ChainError::BadOrder);
     }
-    if len > 0 && !mem.check_range(GuestAddress(addr), len as usize) {
+    if len > 0
+        && crate::host_range(mem, addr, len as usize).is_none()
+        && !mem.check_range(GuestAddress(addr), len as usize)
+    {
         // Keep walking so that the status byte can still be found and the request failed
         // with IOERR; the bad buffer itself is left out.
         bad.get_or_insert(ChainError::BadBuffer { addr, len });

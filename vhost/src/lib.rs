@@ -32,6 +32,20 @@ pub use server::{ServerHandle, VhostBlkServer};
 /// Guest memory as mapped by the backend.
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
 
+/// Host address of guest range `[addr, addr + len)` when it lies inside one memory region (the
+/// usual case): one region lookup instead of vm-memory's slice iterators on the per-request
+/// path. `None` when the range is outside guest memory or spans regions (callers then take the
+/// general path).
+pub(crate) fn host_range(mem: &GuestMem, addr: u64, len: usize) -> Option<*mut u8> {
+    use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+    let r = mem.find_region(vm_memory::GuestAddress(addr))?;
+    let off = addr.checked_sub(r.start_addr().raw_value())?;
+    if off.checked_add(len as u64)? > r.len() {
+        return None;
+    }
+    r.get_host_address(MemoryRegionAddress(off)).ok()
+}
+
 /// Errors of the vhost-user-blk backend.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -197,6 +197,16 @@ fn map_iov(
     max_iov: usize,
 ) -> Result<(), RequestError> {
     for_range(segs, start, len, |addr, n| {
+        if let Some(p) = crate::host_range(mem, addr, n as usize) {
+            if iov.len() >= max_iov {
+                return Err(RequestError::TooManySegments);
+            }
+            iov.push(iovec {
+                iov_base: p.cast(),
+                iov_len: n as usize,
+            });
+            return Ok(());
+        }
         for slice in mem.get_slices(GuestAddress(addr), n as usize) {
             let slice = slice.map_err(|_| RequestError::Memory)?;
             if iov.len() >= max_iov {
@@ -340,6 +350,11 @@ pub fn write_id(mem: &GuestMem, segs: &[Seg], serial: &str) -> Result<(), Reques
 
 /// Writes the status byte.
 pub fn write_status(mem: &GuestMem, addr: GuestAddress, status: Status) -> bool {
+    if let Some(p) = crate::host_range(mem, addr.0, 1) {
+        // SAFETY: the byte lies inside a mapped guest region that `mem` keeps mapped.
+        unsafe { std::ptr::write_volatile(p, status as u8) };
+        return true;
+    }
     mem.write_obj(status as u8, addr).is_ok()
 }
 
