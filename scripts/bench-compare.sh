@@ -403,9 +403,19 @@ prefill_run() {
     fi
 }
 
-stop_server() {
+stop_server() { # SIGTERM, then SIGKILL after 10 s (SPDK's vhost can hang in shutdown
+    # waiting for a session that the client already closed)
     if [ -n "$SERVER_PID" ]; then
         kill "$SERVER_PID" 2>/dev/null || true
+        local i
+        for i in $(seq 1 100); do
+            kill -0 "$SERVER_PID" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$SERVER_PID" 2>/dev/null; then
+            log "server $SERVER_PID did not exit 10 s after SIGTERM: SIGKILL"
+            kill -9 "$SERVER_PID" 2>/dev/null || true
+        fi
         wait "$SERVER_PID" 2>/dev/null || true
         SERVER_PID=""
     fi
