@@ -124,6 +124,7 @@ boot_guest() {
     local append="console=ttyS0 quiet panic=-1 katablk.sectors=$((size_mib * 2048))"
     append+=" katablk.serial=$serial katablk.queues=$nq katablk.fio=$fio_jobs"
     append+=" katablk.fio_runtime=$fio_runtime katablk.reconnect=1 katablk.resize=$resize"
+    append+=" katablk.discard=${DISK_DISCARD:-1}"
     local bios=() d
     IFS=: read -ra d <<<"$KATABLK_QEMU_BIOS_DIRS"
     for p in "${d[@]}"; do bios+=(-L "$p"); done
@@ -184,7 +185,7 @@ check_sums() {
 results=()
 for nq in $queues_list; do
     serial=katablk-e2e-q$nq
-    unset DISK_SERIAL
+    unset DISK_SERIAL DISK_DISCARD
     if ! provider_start "disk-q$nq" "$size_mib" "$nq" "$serial"; then
         failures=$((failures + 1))
         log "q$nq: FAILED: the provider ($provider) could not create and export the disk"

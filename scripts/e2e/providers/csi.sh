@@ -12,18 +12,40 @@
 #   provider_stop      NodeUnpublishVolume and DeleteVolume, each checked (device node, bind
 #                      mount, controller and lvol gone), then both daemons stopped
 #
+# The target (KATABLK_E2E_CSI_TARGET):
+#   katablk (default)  katablk-target with --state-dir
+#   spdk               an SPDK JSON-RPC vhost target with SPDK vhost's command line and no state
+#                      across restarts: KATABLK_E2E_SPDK_BIN = SPDK's build/bin/vhost (guest RAM
+#                      on hugepages: KATABLK_E2E_MEMFD_OPTS=",hugetlb=on") or katablk-spdk;
+#                      KATABLK_E2E_SPDK_ARGS (default "-m 0x1 -s 512"). After its kill -9 the
+#                      driver's node config and reconciliation (every second here) bring back the
+#                      aio bdev (the lvstore and lvol by examine), the controller and its socket.
 # The contract of the provider functions is in providers/vhost.sh. Binaries: KATABLK_TARGET,
 # KATABLK_CSI, KATABLK_CSI_CTL (guest-e2e.sh finds them in the build directory). The lvol has no
 # flat backing file, so DISK_BACKING is "" (the host-side checksum comparison is skipped; the
 # guest verifies its data itself, before and after the restart).
 
 CSI_POOL_MIB=${KATABLK_E2E_POOL_MIB:-2048}
+CSI_RECONCILE_S=10
 
 csi_ctl() { "$KATABLK_CSI_CTL" --endpoint "unix://$CSI_SOCK" "$@"; }
 
+CSI_TARGET_KIND=${KATABLK_E2E_CSI_TARGET:-katablk}
+
 csi_target_spawn() {
-    "$KATABLK_TARGET" -S "$CSI_STORE/block/sockets" -r "$CSI_RPC" --state-dir "$CSI_DIR/target-state" \
-        >>"$E2E_LOG_DIR/server-target.log" 2>&1 &
+    rm -f "$CSI_RPC"
+    if [ "$CSI_TARGET_KIND" = spdk ]; then
+        [ -x "${KATABLK_E2E_SPDK_BIN:-}" ] || {
+            echo "KATABLK_E2E_CSI_TARGET=spdk needs KATABLK_E2E_SPDK_BIN (SPDK's vhost or katablk-spdk)" >&2
+            return 1
+        }
+        # shellcheck disable=SC2086
+        "$KATABLK_E2E_SPDK_BIN" -S "$CSI_STORE/block/sockets" -r "$CSI_RPC" \
+            ${KATABLK_E2E_SPDK_ARGS:--m 0x1 -s 512} >>"$E2E_LOG_DIR/server-target.log" 2>&1 &
+    else
+        "$KATABLK_TARGET" -S "$CSI_STORE/block/sockets" -r "$CSI_RPC" --state-dir "$CSI_DIR/target-state" \
+            >>"$E2E_LOG_DIR/server-target.log" 2>&1 &
+    fi
     CSI_TARGET_PID=$!
     provider_wait_sock "$CSI_RPC" "$CSI_TARGET_PID" "$E2E_LOG_DIR/server-target.log" 200
 }
@@ -43,7 +65,7 @@ csi_stack_up() {
     "$KATABLK_CSI" --endpoint "unix://$CSI_SOCK" --spdk-rpc "$CSI_RPC" --vhost-user-store "$CSI_STORE" \
         --lvs lvs0 --node-config "$CSI_DIR/node.yaml" --kubelet-dir "$CSI_KUBELET" \
         --direct-volumes-dir "$CSI_DIR/direct-volumes" --state-dir "$CSI_DIR/csi-state" \
-        --node-id e2e-node >>"$E2E_LOG_DIR/server-csi.log" 2>&1 &
+        --node-id e2e-node --reconcile-interval "$CSI_RECONCILE_S" >>"$E2E_LOG_DIR/server-csi.log" 2>&1 &
     CSI_PID=$!
     provider_wait_sock "$CSI_SOCK" "$CSI_PID" "$E2E_LOG_DIR/server-csi.log" 200 || return 1
     csi_ctl probe >&2
@@ -51,6 +73,7 @@ csi_stack_up() {
 
 provider_start() {
     local name=$1 size=$2 out i
+    [ "$CSI_TARGET_KIND" = spdk ] && CSI_RECONCILE_S=1
     csi_stack_up || return 1
     # The driver applies the node config at start; CreateVolume waits for nothing, so retry
     # while the lvstore is being created.
@@ -78,8 +101,15 @@ provider_start() {
     DISK_SOCK=$CSI_STORE/block/sockets/$CSI_CTRLR
     [ -S "$DISK_SOCK" ] || { echo "published, but $DISK_SOCK is not a socket" >&2; return 1; }
     DISK_BACKING=""
-    # katablk-target's controllers report the controller name (20 bytes at most) as the serial.
+    # katablk's controllers report the controller name (20 bytes at most) as the serial; SPDK's
+    # vhost reports its bdev's name (the lvol's UUID).
     DISK_SERIAL=${CSI_CTRLR:0:20}
+    if [ "$CSI_TARGET_KIND" = spdk ] && [ "$(basename "$KATABLK_E2E_SPDK_BIN")" != katablk-spdk ]; then
+        local bdev
+        bdev=$("${SPDK_RPC:-/opt/katablk/spdk-venv/bin/spdk-rpc}" -s "$CSI_RPC" vhost_get_controllers -n "$CSI_CTRLR" |
+            python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["backend_specific"]["block"]["bdev"])')
+        DISK_SERIAL=${bdev:0:20}
+    fi
     echo "CSI: volume $CSI_VOL published at $CSI_TARGET_PATH (b 241:$((16#${rdev#*:}))) -> $DISK_SOCK" >&2
 }
 
@@ -89,8 +119,11 @@ provider_restart() {
     echo "--- restarted after kill -9 ---" >>"$E2E_LOG_DIR/server-target.log"
     sleep "${KATABLK_E2E_OUTAGE_S:-1}"
     csi_target_spawn || return 1
-    local i
-    for i in $(seq 100); do
+    # katablk-target restores the controller from its state; with an SPDK target the driver's
+    # reconciliation re-creates it within a few reconcile intervals.
+    local i tries=100
+    [ "$CSI_TARGET_KIND" = spdk ] && tries=$((CSI_RECONCILE_S * 200 + 200))
+    for i in $(seq "$tries"); do
         [ -S "$DISK_SOCK" ] && return 0
         sleep 0.05
     done

@@ -45,6 +45,13 @@ provider_start() {
     SPDK_SOCK=$E2E_RUN_DIR/spdk.sock
     rm -f "$DISK_BACKING" "$DISK_SOCK"
     truncate -s "${2}M" "$DISK_BACKING"
+    # GET_ID: katablk-spdk answers the controller name; SPDK's vhost the bdev name padded with
+    # spaces (not checked), and it offers no discard for an AIO bdev on a regular file.
+    if [ "$(basename "$SPDK_BIN")" = katablk-spdk ]; then
+        DISK_SERIAL=${1:0:20}
+    else
+        DISK_SERIAL="" DISK_DISCARD=0
+    fi
     provider_spdk_spawn
 }
 
