@@ -18,6 +18,7 @@ mod inline;
 pub mod malloc;
 pub mod null;
 mod pool;
+pub mod shm;
 pub mod sync;
 mod uring;
 

@@ -143,126 +143,22 @@ pub struct Device {
     queues: Vec<Blkioq>,
     /// Properties reported by the server.
     pub info: DeviceInfo,
-    /// Allocate I/O buffers 2 MiB-aligned ([`AlignedRegion`]) instead of with libblkio.
+    /// Allocate I/O buffers 2 MiB-aligned on hugepages ([`katablk_bdev::shm::SharedRegion`])
+    /// instead of with libblkio.
     pub align_2m: bool,
     /// Buffers allocated here; declared after `blkio` so they are unmapped after it.
-    own: Vec<AlignedRegion>,
+    own: Vec<katablk_bdev::shm::SharedRegion>,
 }
 
-/// Shared memory (a memfd) mapped at a 2 MiB-aligned address, with a 2 MiB-multiple length;
-/// on 2 MiB hugepages when the machine has free ones, so the server's own mapping of it is
-/// 2 MiB-aligned too (SPDK registers the server-side address).
-struct AlignedRegion {
-    addr: *mut libc::c_void,
-    len: usize,
-    fd: std::os::fd::OwnedFd,
-}
-
-// SAFETY: the mapping is plain shared memory owned by this value.
-unsafe impl Send for AlignedRegion {}
-
-const TWO_MIB: usize = 2 << 20;
-
-impl AlignedRegion {
-    fn new(len: usize) -> Result<AlignedRegion> {
-        use std::os::fd::FromRawFd;
-        let len = len.max(1).div_ceil(TWO_MIB) * TWO_MIB;
-        // SAFETY: memfd_create with a static NUL-terminated name.
-        let mut raw = unsafe {
-            libc::memfd_create(
-                c"katablk-bench".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
-            )
-        };
-        if raw >= 0 {
-            // SAFETY: ftruncate on our memfd; hugetlbfs needs the size set before mapping.
-            if unsafe { libc::ftruncate(raw, len as libc::off_t) } != 0 {
-                // SAFETY: closing our descriptor.
-                unsafe { libc::close(raw) };
-                raw = -1;
-            }
-        }
-        if raw < 0 {
-            tracing::warn!("no 2 MiB hugepages for the I/O buffers: using normal pages");
-            // SAFETY: as above, without hugepages.
-            raw = unsafe { libc::memfd_create(c"katablk-bench".as_ptr(), libc::MFD_CLOEXEC) };
-        }
-        if raw < 0 {
-            bail!("memfd_create: {}", std::io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a new descriptor owned by nobody else.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on our memfd.
-        if unsafe { libc::ftruncate(raw, len as libc::off_t) } != 0 {
-            bail!("ftruncate: {}", std::io::Error::last_os_error());
-        }
-        // Reserve len + 2 MiB of address space, then map the memfd at the aligned address
-        // inside it and give back the rest.
-        let span = len + TWO_MIB;
-        // SAFETY: an anonymous PROT_NONE reservation, checked below.
-        let res = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if res == libc::MAP_FAILED {
-            bail!("mmap reservation: {}", std::io::Error::last_os_error());
-        }
-        let start = res as usize;
-        let aligned = start.div_ceil(TWO_MIB) * TWO_MIB;
-        // SAFETY: [aligned, aligned + len) lies inside our reservation, which MAP_FIXED
-        // replaces; the memfd is `len` bytes long.
-        let p = unsafe {
-            libc::mmap(
-                aligned as *mut libc::c_void,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                raw,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            // SAFETY: unmapping our own reservation.
-            unsafe { libc::munmap(res, span) };
-            bail!("mmap: {e}");
-        }
-        // SAFETY: the parts of the reservation before and after the mapping are ours.
-        unsafe {
-            if aligned > start {
-                libc::munmap(res, aligned - start);
-            }
-            let end = aligned + len;
-            if start + span > end {
-                libc::munmap(end as *mut libc::c_void, start + span - end);
-            }
-        }
-        Ok(AlignedRegion { addr: p, len, fd })
-    }
-
-    fn region(&self) -> MemoryRegion {
-        use std::os::fd::AsRawFd;
-        MemoryRegion {
-            addr: self.addr as usize,
-            iova: self.addr as u64,
-            len: self.len,
-            fd: self.fd.as_raw_fd(),
-            fd_offset: 0,
-            flags: 0,
-        }
-    }
-}
-
-impl Drop for AlignedRegion {
-    fn drop(&mut self) {
-        // SAFETY: our mapping, unmapped once.
-        unsafe { libc::munmap(self.addr, self.len) };
+/// Client memory from [`katablk_bdev::shm::SharedRegion`], as a libblkio region.
+fn shared_region(r: &katablk_bdev::shm::SharedRegion) -> MemoryRegion {
+    MemoryRegion {
+        addr: r.addr() as usize,
+        iova: r.addr() as u64,
+        len: r.len(),
+        fd: r.fd(),
+        fd_offset: 0,
+        flags: 0,
     }
 }
 
@@ -347,8 +243,12 @@ impl Device {
             .context("mem-region-alignment too large")?;
         let len = len.max(1).div_ceil(align) * align;
         let region = if self.align_2m {
-            let r = AlignedRegion::new(len)?;
-            let region = r.region();
+            let r = katablk_bdev::shm::SharedRegion::new(len)
+                .map_err(|e| anyhow::anyhow!("allocating I/O buffers: {e}"))?;
+            if !r.is_hugepages() {
+                tracing::warn!("no free 2 MiB hugepages: --align-2m buffers on normal pages");
+            }
+            let region = shared_region(&r);
             self.own.push(r);
             region
         } else {

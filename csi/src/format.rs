@@ -77,6 +77,9 @@ struct Dev {
     q: Blkioq,
     region: MemoryRegion,
     capacity: u64,
+    /// The buffer's memory when it is ours (2 MiB-aligned hugepages, which SPDK's vhost target
+    /// needs); dropped after `b` has unmapped it.
+    _shm: Option<katablk_bdev::shm::SharedRegion>,
 }
 
 fn blk_err(e: blkio::Error) -> CsiError {
@@ -96,7 +99,22 @@ impl Dev {
         b.set_i32("queue-size", 64).map_err(blk_err)?;
         let mut out = b.start().map_err(blk_err)?;
         let capacity = b.get_u64("capacity").map_err(blk_err)?;
-        let region = b.alloc_mem_region(CHUNK).map_err(blk_err)?;
+        // A 2 MiB-aligned hugepage buffer works with every target (SPDK's vhost refuses
+        // libblkio's own unaligned memfd); without free hugepages, libblkio's buffer.
+        let (region, shm) = match katablk_bdev::shm::SharedRegion::new(CHUNK) {
+            Ok(r) if r.is_hugepages() => (
+                MemoryRegion {
+                    addr: r.addr() as usize,
+                    iova: r.addr() as u64,
+                    len: r.len(),
+                    fd: r.fd(),
+                    fd_offset: 0,
+                    flags: 0,
+                },
+                Some(r),
+            ),
+            _ => (b.alloc_mem_region(CHUNK).map_err(blk_err)?, None),
+        };
         b.map_mem_region(&region).map_err(blk_err)?;
         let q = out
             .queues
@@ -107,6 +125,7 @@ impl Dev {
             q,
             region,
             capacity,
+            _shm: shm,
         })
     }
 
