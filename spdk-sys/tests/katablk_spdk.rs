@@ -195,6 +195,104 @@ mod with_spdk {
         }
     }
 
+    /// An NVMe bdev (SPDK's NVMe driver, over NVMe/TCP from SPDK's own nvmf_tgt on loopback)
+    /// served by katablk-spdk and checked with libblkio.
+    pub fn nvme() {
+        let Some(nvmf) = std::env::var_os("SPDK_DIR")
+            .map(|d| PathBuf::from(d).join("build/bin/nvmf_tgt"))
+            .filter(|p| p.is_file())
+        else {
+            eprintln!("SKIPPED: no $SPDK_DIR/build/bin/nvmf_tgt to export an NVMe/TCP namespace");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let nsock = dir.path().join("nvmf.sock");
+        let nlog = std::fs::File::create(dir.path().join("nvmf.log")).unwrap();
+        let tgt = Command::new(nvmf)
+            .args([
+                "-m",
+                "0x1",
+                "--no-huge",
+                "-s",
+                "512",
+                "--disable-cpumask-locks",
+            ])
+            .args(["-r", nsock.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .stdout(nlog.try_clone().unwrap())
+            .stderr(nlog)
+            .spawn()
+            .unwrap();
+        let _tgt = Daemon(tgt);
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&nsock).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "nvmf_tgt did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let port = 44000 + (std::process::id() % 1000);
+        let port = port.to_string();
+        let nqn = "nqn.2026-12.io.katablk:test";
+        rpc_ok(&nsock, &["nvmf_create_transport", "-t", "tcp"]);
+        rpc_ok(&nsock, &["bdev_malloc_create", "-b", "M0", "32", "512"]);
+        rpc_ok(&nsock, &["nvmf_create_subsystem", nqn, "-a", "-s", "SN1"]);
+        rpc_ok(&nsock, &["nvmf_subsystem_add_ns", nqn, "M0"]);
+        rpc_ok(
+            &nsock,
+            &[
+                "nvmf_subsystem_add_listener",
+                nqn,
+                "-t",
+                "tcp",
+                "-a",
+                "127.0.0.1",
+                "-s",
+                &port,
+                "-f",
+                "ipv4",
+            ],
+        );
+        let sockets = dir.path().join("sockets");
+        std::fs::create_dir(&sockets).unwrap();
+        let rpc_sock = dir.path().join("spdk.sock");
+        let mut d = start(dir.path(), &sockets, &rpc_sock, &[]);
+        let s = rpc_sock.as_path();
+        rpc_ok(
+            s,
+            &[
+                "bdev_nvme_attach_controller",
+                "-b",
+                "Nvme0",
+                "-t",
+                "tcp",
+                "-a",
+                "127.0.0.1",
+                "-s",
+                &port,
+                "-f",
+                "ipv4",
+                "-n",
+                nqn,
+            ],
+        );
+        let b: serde_json::Value =
+            serde_json::from_str(&rpc_ok(s, &["bdev_get_bdevs", "-b", "Nvme0n1"])).unwrap();
+        assert_eq!(b[0]["product_name"], "NVMe disk");
+        rpc_ok(s, &["vhost_create_blk_controller", "vnvme", "Nvme0n1"]);
+        let mut c = Blk::connect(&sockets.join("vnvme"));
+        assert_eq!(c.capacity, 32 << 20);
+        for (i, off) in [0u64, 65536, (32 << 20) - 65536].iter().enumerate() {
+            let data = pattern(i as u64 + 11, 65536);
+            assert_eq!(c.write(*off, &data), 0);
+            assert_eq!(c.read(*off, 65536), data, "offset {off}");
+        }
+        assert_eq!(c.flush(), 0);
+        drop(c);
+        sigterm(&mut d, dir.path());
+    }
+
     pub fn run() {
         let dir = tempfile::tempdir().unwrap();
         let sockets = dir.path().join("sockets");
@@ -401,4 +499,14 @@ mod with_spdk {
 fn katablk_spdk_serves_spdk_bdevs_to_a_vhost_user_client() {
     #[cfg(feature = "spdk")]
     with_spdk::run();
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "spdk"),
+    ignore = "needs SPDK: build with --features spdk and SPDK_DIR=<an SPDK build tree>"
+)]
+fn katablk_spdk_serves_an_nvme_bdev() {
+    #[cfg(feature = "spdk")]
+    with_spdk::nvme();
 }
