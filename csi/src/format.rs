@@ -82,6 +82,30 @@ struct Dev {
     _shm: Option<katablk_bdev::shm::SharedRegion>,
 }
 
+/// An I/O buffer of at least `len` bytes for a connected libblkio client, not yet mapped: a
+/// 2 MiB-aligned hugepage memfd, which works with every target (SPDK's vhost fails on
+/// libblkio's own unaligned memfd), or without free hugepages libblkio's buffer. Keep the
+/// `SharedRegion` until the region is unmapped (or the `Blkio` dropped).
+pub fn client_buffer(
+    b: &mut Blkio,
+    len: usize,
+) -> std::result::Result<(MemoryRegion, Option<katablk_bdev::shm::SharedRegion>), blkio::Error> {
+    match katablk_bdev::shm::SharedRegion::new(len) {
+        Ok(r) if r.is_hugepages() => Ok((
+            MemoryRegion {
+                addr: r.addr() as usize,
+                iova: r.addr() as u64,
+                len: r.len(),
+                fd: r.fd(),
+                fd_offset: 0,
+                flags: 0,
+            },
+            Some(r),
+        )),
+        _ => Ok((b.alloc_mem_region(len)?, None)),
+    }
+}
+
 fn blk_err(e: blkio::Error) -> CsiError {
     CsiError::Internal(format!("vhost-user-blk client: {e}"))
 }
@@ -99,22 +123,7 @@ impl Dev {
         b.set_i32("queue-size", 64).map_err(blk_err)?;
         let mut out = b.start().map_err(blk_err)?;
         let capacity = b.get_u64("capacity").map_err(blk_err)?;
-        // A 2 MiB-aligned hugepage buffer works with every target (SPDK's vhost refuses
-        // libblkio's own unaligned memfd); without free hugepages, libblkio's buffer.
-        let (region, shm) = match katablk_bdev::shm::SharedRegion::new(CHUNK) {
-            Ok(r) if r.is_hugepages() => (
-                MemoryRegion {
-                    addr: r.addr() as usize,
-                    iova: r.addr() as u64,
-                    len: r.len(),
-                    fd: r.fd(),
-                    fd_offset: 0,
-                    flags: 0,
-                },
-                Some(r),
-            ),
-            _ => (b.alloc_mem_region(CHUNK).map_err(blk_err)?, None),
-        };
+        let (region, shm) = client_buffer(&mut b, CHUNK).map_err(blk_err)?;
         b.map_mem_region(&region).map_err(blk_err)?;
         let q = out
             .queues

@@ -59,11 +59,7 @@ pub async fn ensure_controller(
     });
     if existing.is_some() && !ok {
         tracing::warn!(volume_id = %id, ctrlr, "controller exports something else; re-creating");
-        match d.rpc.vhost_delete_controller(ctrlr).await {
-            Ok(_) => {}
-            Err(e) if e.is_not_found() => {}
-            Err(e) => return Err(CsiError::rpc("vhost_delete_controller")(e)),
-        }
+        delete_controller(d, ctrlr).await?;
     }
     if !ok {
         let p = VhostCreateBlkControllerParams {
@@ -97,8 +93,41 @@ pub async fn ensure_controller(
     Ok(())
 }
 
-/// Deletes controller `ctrlr`; absent is success.
+/// How long [`delete_controller`] lets a connected client (a VMM shutting down) go away.
+const DISCONNECT_GRACE: Duration = Duration::from_secs(2);
+
+/// Deletes controller `ctrlr`; absent is success. While a client is connected it is refused
+/// with `FAILED_PRECONDITION` (the CO retries), on every target: katablk-target answers -EBUSY,
+/// but SPDK's vhost app does not refuse — it re-queues the deletion until the client goes,
+/// holding the RPC reply (our call times out), spinning its reactor with an error line each
+/// try, and finally deletes whichever controller then has that name, possibly one a later
+/// publish re-created. So the sessions are checked first, with a short grace.
 pub async fn delete_controller(d: &Driver, ctrlr: &str) -> Result<()> {
+    let t0 = Instant::now();
+    loop {
+        let c = match d.rpc.vhost_get_controllers(Some(ctrlr)).await {
+            Ok(v) => v.into_iter().find(|c| c.ctrlr == ctrlr),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(CsiError::rpc("vhost_get_controllers")(e)),
+        };
+        let Some(c) = c else { return Ok(()) };
+        if c.sessions.is_empty() {
+            break;
+        }
+        if t0.elapsed() >= DISCONNECT_GRACE {
+            return Err(CsiError::FailedPrecondition(format!(
+                "controller {ctrlr} still has a connected client ({}); retry once the VM \
+                 has let go of {}",
+                c.sessions
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                c.socket
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     match d.rpc.vhost_delete_controller(ctrlr).await {
         Ok(_) => Ok(()),
         Err(e) if e.is_not_found() => Ok(()),

@@ -1283,3 +1283,42 @@ async fn new_thick_volume_reads_zeros_over_reused_clusters() {
             .unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_with_a_connected_client_is_refused_then_retried() {
+    let mut e = Env::start().await;
+    let v = e
+        .controller
+        .create_volume(create_req("pvc-busy", 4 << 20))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let tp = e.target_path("busy");
+    e.node
+        .node_publish_volume(publish_req(&v.volume_id, &tp, block_cap(), false))
+        .await
+        .unwrap();
+    let name = ctrlr(&v.volume_id);
+    let sock = e.store().join("block/sockets").join(&name);
+    let dev = e.store().join("block/devices").join(&name);
+    let s = sock.clone();
+    let client = blk(move || Blk::connect(&s, false).unwrap()).await;
+    assert_eq!(
+        code(
+            e.node
+                .node_unpublish_volume(unpublish_req(&v.volume_id, &tp))
+                .await
+        ),
+        Code::FailedPrecondition
+    );
+    assert!(sock.exists() && dev.exists());
+    drop(client);
+    // The CO retries once the VM let go.
+    e.node
+        .node_unpublish_volume(unpublish_req(&v.volume_id, &tp))
+        .await
+        .unwrap();
+    assert!(!tp.exists() && !dev.exists() && !sock.exists());
+}

@@ -49,6 +49,8 @@ pub struct Target {
     pub rpc: PathBuf,
     pub sockets: PathBuf,
     pub state: Option<PathBuf>,
+    /// SPDK's `vhost` app instead of katablk-target (same `-S`/`-r` command line, no state).
+    pub spdk_vhost: Option<PathBuf>,
 }
 
 impl Target {
@@ -58,6 +60,20 @@ impl Target {
             rpc: rpc.into(),
             sockets: sockets.into(),
             state: state.map(Into::into),
+            spdk_vhost: None,
+        };
+        t.spawn();
+        t
+    }
+
+    /// SPDK's vhost app (`vhost -S <sockets> -r <rpc> -m 0x1 -s 512`): 512 MiB of hugepages.
+    pub fn start_spdk(vhost: &Path, rpc: &Path, sockets: &Path) -> Target {
+        let mut t = Target {
+            child: None,
+            rpc: rpc.into(),
+            sockets: sockets.into(),
+            state: None,
+            spdk_vhost: Some(vhost.into()),
         };
         t.spawn();
         t
@@ -66,17 +82,30 @@ impl Target {
     pub fn spawn(&mut self) {
         std::fs::create_dir_all(&self.sockets).unwrap();
         let _ = std::fs::remove_file(&self.rpc);
-        let mut c = Command::new(target_bin());
+        let mut c = Command::new(self.spdk_vhost.clone().unwrap_or_else(target_bin));
         c.arg("-r").arg(&self.rpc).arg("-S").arg(&self.sockets);
         if let Some(s) = &self.state {
             c.arg("--state-dir").arg(s);
+        }
+        if self.spdk_vhost.is_some() {
+            // SPDK logs every vhost-user message: keep it out of the test output.
+            let log = std::fs::File::create(self.rpc.with_file_name("spdk-vhost.log")).unwrap();
+            c.args(["-m", "0x1", "-s", "512"])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log);
         }
         c.env("RUST_LOG", "warn").stdin(Stdio::null());
         self.child = Some(c.spawn().unwrap());
         let t0 = Instant::now();
         while std::os::unix::net::UnixStream::connect(&self.rpc).is_err() {
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("katablk-target exited early: {st}");
+                let log = std::fs::read_to_string(self.rpc.with_file_name("spdk-vhost.log"))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                panic!(
+                    "target {:?} exited early: {st}; its log ends: {tail:?}",
+                    c.get_program()
+                );
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(20),
@@ -132,6 +161,11 @@ impl Env {
 
     /// Target with a 512 MiB file declared as lvstore `lvs0` through a node config file.
     pub async fn start() -> Env {
+        Self::start_on(None).await
+    }
+
+    /// The same on SPDK's vhost app (`Some(path of build/bin/vhost)`) or katablk-target (`None`).
+    pub async fn start_on(spdk_vhost: Option<&Path>) -> Env {
         let dir = tempfile::Builder::new()
             .prefix("kcsi")
             .tempdir_in("/tmp")
@@ -149,7 +183,11 @@ impl Env {
         )
         .unwrap();
         let rpc = root.join("spdk.sock");
-        let target = Target::start(&rpc, &root.join("store/block/sockets"), None);
+        let sockets = root.join("store/block/sockets");
+        let target = match spdk_vhost {
+            Some(v) => Target::start_spdk(v, &rpc, &sockets),
+            None => Target::start(&rpc, &sockets, None),
+        };
         let mut cfg = Config::new("node-a");
         cfg.spdk_rpc = rpc;
         cfg.vhost_user_store = root.join("store");
@@ -301,12 +339,15 @@ pub fn unpublish_req(vol: &str, target: &Path) -> csi::NodeUnpublishVolumeReques
     }
 }
 
-/// A libblkio vhost-user-blk client.
+/// A libblkio vhost-user-blk client. Its buffer is a 2 MiB-aligned hugepage memfd when there are
+/// free hugepages (SPDK's vhost needs that; see `katablk_bdev::shm`), else libblkio's own.
 pub struct Blk {
     pub b: Blkio,
     pub q: Vec<Blkioq>,
     pub region: MemoryRegion,
     pub capacity: u64,
+    /// Backs `region` when it is ours; dropped after `b` (fields drop in order).
+    pub shm: Option<katablk_bdev::shm::SharedRegion>,
 }
 
 impl Blk {
@@ -319,13 +360,14 @@ impl Blk {
         b.set_i32("queue-size", 256)?;
         let out = b.start()?;
         let capacity = b.get_u64("capacity")?;
-        let region = b.alloc_mem_region(1 << 20)?;
+        let (region, shm) = katablk_csi::format::client_buffer(&mut b, 1 << 20)?;
         b.map_mem_region(&region)?;
         Ok(Blk {
             b,
             q: out.queues,
             region,
             capacity,
+            shm,
         })
     }
 
