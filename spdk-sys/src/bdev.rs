@@ -265,14 +265,43 @@ impl BlockDevice for SpdkBdev {
 /// One request's state. Owned by the caller's thread while free or being filled, by the SPDK
 /// thread from the moment its index is queued until its completion is queued back.
 struct Slot {
+    r: SlotReq,
+    index: u32,
+    chan: *const ChanShared,
+}
+
+/// The request part of a slot (both channel kinds).
+struct SlotReq {
     op: IoOp,
     offset_blocks: u64,
     num_blocks: u64,
     len: u64,
     iov: Vec<iovec>,
     token: u64,
-    index: u32,
-    chan: *const ChanShared,
+}
+
+impl SlotReq {
+    fn new(max_segments: usize) -> SlotReq {
+        SlotReq {
+            op: IoOp::Flush,
+            offset_blocks: 0,
+            num_blocks: 0,
+            len: 0,
+            iov: Vec::with_capacity(max_segments),
+            token: 0,
+        }
+    }
+
+    /// Takes a validated request (block size `bs`), copying its iovec array.
+    fn fill(&mut self, req: &IoRequest<'_>, bs: u64) {
+        self.op = req.op;
+        self.offset_blocks = req.offset / bs;
+        self.num_blocks = req.len / bs;
+        self.len = req.len;
+        self.token = req.token;
+        self.iov.clear();
+        self.iov.extend_from_slice(req.iov);
+    }
 }
 
 struct ChanShared {
@@ -320,8 +349,8 @@ unsafe extern "C" fn io_done(bdev_io: *mut ffi::spdk_bdev_io, success: bool, arg
     // SAFETY: as above.
     let chan = unsafe { &*slot.chan };
     let r = if success {
-        Ok(match slot.op {
-            IoOp::Read | IoOp::Write => slot.len,
+        Ok(match slot.r.op {
+            IoOp::Read | IoOp::Write => slot.r.len,
             _ => 0,
         })
     } else {
@@ -351,10 +380,10 @@ impl SpdkSide {
             submit_raw(
                 desc,
                 self.io_ch,
-                slot.op,
-                &mut slot.iov,
-                slot.offset_blocks,
-                slot.num_blocks,
+                slot.r.op,
+                &mut slot.r.iov,
+                slot.r.offset_blocks,
+                slot.r.num_blocks,
                 Some(io_done),
                 arg,
             )
@@ -426,12 +455,7 @@ impl SpdkChannel {
         let mut slots = Vec::with_capacity(depth);
         for i in 0..depth {
             slots.push(UnsafeCell::new(Slot {
-                op: IoOp::Flush,
-                offset_blocks: 0,
-                num_blocks: 0,
-                len: 0,
-                iov: Vec::with_capacity(max_segments),
-                token: 0,
+                r: SlotReq::new(max_segments),
                 index: i as u32,
                 chan: std::ptr::null(),
             }));
@@ -590,7 +614,7 @@ fn validate(
 /// Submits one request on the current SPDK thread; the raw return code of SPDK's call.
 ///
 /// # Safety
-/// On the SPDK thread that owns `io_ch`; `slot.iov` and the buffers it points to, and `arg`,
+/// On the SPDK thread that owns `io_ch`; `slot.r.iov` and the buffers it points to, and `arg`,
 /// stay valid until `cb` runs.
 #[allow(clippy::too_many_arguments)]
 unsafe fn submit_raw(
@@ -662,13 +686,7 @@ impl IoChannel for SpdkChannel {
         };
         // SAFETY: a free slot belongs to this (caller-side) thread.
         let slot = unsafe { &mut *self.shared.slots[i as usize].get() };
-        slot.op = req.op;
-        slot.offset_blocks = req.offset / bs;
-        slot.num_blocks = req.len / bs;
-        slot.len = req.len;
-        slot.token = req.token;
-        slot.iov.clear();
-        slot.iov.extend_from_slice(req.iov);
+        slot.r.fill(req, bs);
         self.staged.push(i);
         self.in_flight += 1;
         Ok(())
@@ -697,7 +715,7 @@ impl IoChannel for SpdkChannel {
             // SAFETY: the completion handed the slot back to this thread.
             let slot = unsafe { &*self.shared.slots[i as usize].get() };
             out.push(Completion {
-                token: slot.token,
+                token: slot.r.token,
                 result: r,
             });
             self.free.push(i);
@@ -778,12 +796,7 @@ type LocalDone = std::cell::RefCell<Vec<(u32, Result<u64, IoError>)>>;
 
 /// A request slot of a [`LocalChannel`].
 struct LocalSlot {
-    op: IoOp,
-    offset_blocks: u64,
-    num_blocks: u64,
-    len: u64,
-    iov: Vec<iovec>,
-    token: u64,
+    r: SlotReq,
     index: u32,
     done: *const LocalDone,
 }
@@ -800,8 +813,8 @@ unsafe extern "C" fn local_io_done(
     // callback runs on the channel's own thread.
     let slot = unsafe { &*arg.cast::<LocalSlot>() };
     let r = if success {
-        Ok(match slot.op {
-            IoOp::Read | IoOp::Write => slot.len,
+        Ok(match slot.r.op {
+            IoOp::Read | IoOp::Write => slot.r.len,
             _ => 0,
         })
     } else {
@@ -852,12 +865,7 @@ impl LocalChannel {
         let slots = (0..depth)
             .map(|i| {
                 UnsafeCell::new(LocalSlot {
-                    op: IoOp::Flush,
-                    offset_blocks: 0,
-                    num_blocks: 0,
-                    len: 0,
-                    iov: Vec::with_capacity(max_segments),
-                    token: 0,
+                    r: SlotReq::new(max_segments),
                     index: i as u32,
                     done: done_ptr,
                 })
@@ -895,10 +903,10 @@ impl LocalChannel {
             submit_raw(
                 self.bdev.desc.0,
                 self.io_ch,
-                slot.op,
-                &mut slot.iov,
-                slot.offset_blocks,
-                slot.num_blocks,
+                slot.r.op,
+                &mut slot.r.iov,
+                slot.r.offset_blocks,
+                slot.r.num_blocks,
                 Some(local_io_done),
                 arg,
             )
@@ -934,13 +942,7 @@ impl IoChannel for LocalChannel {
         let bs = u64::from(self.bdev.info.block_size);
         // SAFETY: a free slot belongs to this channel.
         let slot = unsafe { &mut *self.slots[i as usize].get() };
-        slot.op = req.op;
-        slot.offset_blocks = req.offset / bs;
-        slot.num_blocks = req.len / bs;
-        slot.len = req.len;
-        slot.token = req.token;
-        slot.iov.clear();
-        slot.iov.extend_from_slice(req.iov);
+        slot.r.fill(req, bs);
         self.staged.push(i);
         self.in_flight += 1;
         Ok(())
@@ -972,7 +974,7 @@ impl IoChannel for LocalChannel {
             // SAFETY: the completion handed the slot back.
             let slot = unsafe { &*self.slots[i as usize].get() };
             out.push(Completion {
-                token: slot.token,
+                token: slot.r.token,
                 result: r,
             });
             self.free.push(i);
