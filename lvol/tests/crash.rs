@@ -221,6 +221,7 @@ fn workload_without_crash() {
     verify(&lvs, &m, "live");
     drop(lvs);
     let lvs = LvStore::open(dev.arc()).unwrap();
+    assert!(lvs.open_report().masks_used, "{:?}", lvs.open_report());
     verify(&lvs, &m, "reopen");
 }
 
@@ -244,6 +245,8 @@ fn crash_at_every_write() {
             let ctx = format!("crash after write {n}/{total} ({mode:?})");
             let dev2 = FaultDev::from_image(img);
             let lvs = LvStore::open(dev2.arc()).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
+            let r = lvs.open_report();
+            assert!(!r.clean && !r.masks_used, "{ctx}: {r:?}");
             verify(&lvs, &m, &ctx);
             // Still usable, and a second open (after the scrub) sees the same.
             let v = lvs.create_lvol("after", CS, true).unwrap();
@@ -251,6 +254,8 @@ fn crash_at_every_write() {
             drop(v);
             drop(lvs);
             let lvs = LvStore::open(dev2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+            let r = lvs.open_report();
+            assert!(r.masks_used && r.mask_fallback.is_none(), "{ctx}: {r:?}");
             assert_eq!(
                 read(&*lvs.lvol("after").unwrap(), 0, BLK),
                 pattern(u64::MAX, BLK)
@@ -468,6 +473,8 @@ proptest::proptest! {
         verify(&lvs, &m, &ctx);
         drop(lvs);
         let lvs = LvStore::open(d2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+        let r = lvs.open_report();
+        proptest::prop_assert!(r.masks_used && r.mask_fallback.is_none(), "{}: {:?}", ctx, r);
         verify(&lvs, &m, &ctx);
     }
 }

@@ -233,6 +233,9 @@ impl Sim {
             Op::Reopen => {
                 self.lvs = None;
                 self.lvs = Some(LvStore::open(self.dev.arc()).unwrap());
+                // A clean shutdown: the persisted masks must agree with the metadata.
+                let r = self.lvs().open_report();
+                assert!(r.masks_used && r.mask_fallback.is_none(), "{r:?}");
             }
         }
     }
