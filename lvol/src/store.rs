@@ -105,6 +105,8 @@ pub(crate) struct Waiter {
 pub(crate) struct AllocQueue {
     pub(crate) pending: HashMap<(u64, u64), Vec<Waiter>>,
     pub(crate) queue: Vec<(Arc<Lvol>, u64)>,
+    /// Whole clusters discarded on thin volumes, to be given back to the store.
+    pub(crate) releases: Vec<(Arc<Lvol>, u64)>,
     pub(crate) closed: bool,
 }
 
@@ -213,6 +215,26 @@ impl Shared {
             None => {
                 q.pending.insert(key, vec![w]);
                 q.queue.push((vol.clone(), c));
+                self.alloc_cv.notify_one();
+            }
+        }
+        AllocReq::Queued
+    }
+
+    /// Queues the release of logical cluster `c` of `vol` (a whole-cluster discard); the
+    /// waiter is told when done. Requests for the same cluster share one entry, so a write
+    /// that finds the cluster already unmapped waits for the release and then allocates anew.
+    pub(crate) fn request_release(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
+        let mut q = self.aq();
+        if q.closed {
+            return AllocReq::Closed;
+        }
+        let key = (vol.id, c);
+        match q.pending.get_mut(&key) {
+            Some(ws) => ws.push(w),
+            None => {
+                q.pending.insert(key, vec![w]);
+                q.releases.push((vol.clone(), c));
                 self.alloc_cv.notify_one();
             }
         }
@@ -538,6 +560,7 @@ impl MdState {
         st.map = b.clusters.clone();
         st.parent = parent;
         st.read_only = b.read_only;
+        st.thin = b.thin;
     }
 
     /// Registers a live handle for a new blob.
@@ -554,9 +577,12 @@ impl MdState {
                 parent: None,
                 read_only: false,
                 deleted: false,
+                thin: false,
             }),
             frozen: std::sync::atomic::AtomicU32::new(0),
             inflight: AtomicU64::new(0),
+            io_epoch: AtomicU64::new(0),
+            io_count: [AtomicU64::new(0), AtomicU64::new(0)],
         });
         self.vols.insert(id, v.clone());
         self.publish(id);
@@ -931,6 +957,7 @@ impl LvStore {
             let mut q = self.shared.aq();
             q.closed = true;
             q.queue.clear();
+            q.releases.clear();
             q.pending.drain().flat_map(|(_, w)| w).collect()
         };
         for w in waiters {
