@@ -298,13 +298,37 @@ fn _unused(_: &dyn BlockDevice) {}
 
 #[derive(Debug, Clone)]
 enum COp {
-    Create { thin: bool, clusters: u64 },
-    Write { vol: usize, blk: usize, n: usize },
-    Flush { vol: usize },
-    Snapshot { vol: usize },
-    Clone { vol: usize },
-    Delete { vol: usize },
-    Resize { vol: usize, clusters: u64 },
+    Create {
+        thin: bool,
+        clusters: u64,
+    },
+    Write {
+        vol: usize,
+        blk: usize,
+        n: usize,
+    },
+    Flush {
+        vol: usize,
+    },
+    Snapshot {
+        vol: usize,
+    },
+    Clone {
+        vol: usize,
+    },
+    Delete {
+        vol: usize,
+    },
+    Resize {
+        vol: usize,
+        clusters: u64,
+    },
+    Discard {
+        vol: usize,
+        blk: usize,
+        n: usize,
+        whole: bool,
+    },
     Reopen,
 }
 
@@ -318,6 +342,8 @@ fn cop() -> impl proptest::strategy::Strategy<Value = COp> {
         2 => any::<usize>().prop_map(|vol| COp::Clone { vol }),
         2 => any::<usize>().prop_map(|vol| COp::Delete { vol }),
         1 => (any::<usize>(), 1u64..5).prop_map(|(vol, clusters)| COp::Resize { vol, clusters }),
+        2 => (any::<usize>(), any::<usize>(), 1usize..40, any::<bool>())
+            .prop_map(|(vol, blk, n, whole)| COp::Discard { vol, blk, n, whole }),
         1 => Just(COp::Reopen),
     ]
 }
@@ -436,6 +462,28 @@ fn random_workload(
                 let v = m.vols.get_mut(&name).unwrap();
                 v.blocks.truncate(nb);
                 v.sure_blocks = nb;
+            }
+            COp::Discard { vol, blk, n, whole } => {
+                // Volumes without a parent only: discarded blocks then read as zeroes (released
+                // clusters, or the device's discard), or as before until a flush.
+                let Some(name) = pick(*vol) else { continue };
+                if rel.ro.contains(&name) || rel.parent.contains_key(&name) {
+                    continue;
+                }
+                let per = CS as usize / BLK;
+                let len = m.vols[&name].blocks.len();
+                let (mut blk, mut n) = (blk % len, (*n).min(len - blk % len));
+                if *whole {
+                    blk = blk / per * per;
+                    n = (n.div_ceil(per) * per).min(len - blk);
+                }
+                for b in &mut m.vols.get_mut(&name).unwrap().blocks[blk..blk + n] {
+                    b.push(0);
+                }
+                let vol = l.lvol(&name).map_err(|_| Stop)?;
+                let mut io = SyncIo::new(&*vol).map_err(|_| Stop)?;
+                io.discard((blk * BLK) as u64, (n * BLK) as u64)
+                    .map_err(|_| Stop)?;
             }
             COp::Reopen => {
                 *lvs = None;
