@@ -124,9 +124,9 @@ fn release_batch(shared: &Arc<Shared>, batch: &[(Arc<Lvol>, u64)]) -> Vec<Result
     // The maps no longer lead to the clusters; wait for requests issued before that.
     let mut drained: BTreeMap<u64, bool> = BTreeMap::new();
     for (vol, _) in &freed {
-        if !drained.contains_key(&vol.id) {
-            drained.insert(vol.id, vol.drain_epoch(RELEASE_DRAIN));
-        }
+        drained
+            .entry(vol.id)
+            .or_insert_with(|| vol.drain_epoch(RELEASE_DRAIN));
     }
     let mut st = shared.md();
     for (vol, p) in &freed {

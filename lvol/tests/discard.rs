@@ -373,7 +373,6 @@ fn crash_during_releases() {
                 let w = lvs.lvol("w").unwrap();
                 assert!(read(&*w, 0, 2 * CSZ) == pattern(30, 2 * CSZ), "{ctx}");
             }
-            drop(c);
             drop(v);
             drop(lvs);
             let lvs = LvStore::open(d2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen {e}"));
