@@ -37,7 +37,11 @@ BASELINE=${BASELINE:-qsd}
 SERVER_CPUS=${SERVER_CPUS:-}                     # pin the server with taskset -c (e.g. 0)
 CLIENT_CPUS=${CLIENT_CPUS:-}                     # pin katablk-bench with taskset -c (e.g. 1)
 IMG_MIB=${IMG_MIB:-1024}
-FILE_IMG=${FILE_IMG:-/var/tmp/katablk-bench.img} # "file" case, prefilled with random data
+IMG_DIR=${IMG_DIR:-}                             # directory of FILE_IMG, LVOL_IMG and THIN_IMG
+                                                 # (default /var/tmp); e.g. /dev/shm/katablk-bench
+                                                 # keeps the file and lvol-on-file images in
+                                                 # memory (tmpfs: no page-cache eviction)
+FILE_IMG=${FILE_IMG:-${IMG_DIR:-/var/tmp}/katablk-bench.img} # "file" case, prefilled with random data
 TMPFS_IMG=${TMPFS_IMG:-/dev/shm/katablk-bench.img} # "ram" (qsd side) and "tmpfs" cases
 REFILL=${REFILL:-0}                              # 1: rewrite the images even if present
 DIRECT=${DIRECT:-0}                              # 1: O_DIRECT in the file case (both servers)
@@ -47,10 +51,10 @@ KATABLK_EXTRA=${KATABLK_EXTRA:-}                 # extra katablk-vhost arguments
 QSD_EXTRA=${QSD_EXTRA:-}                         # extra qemu-storage-daemon arguments
 TARGET_EXTRA=${TARGET_EXTRA:-}                   # extra katablk-target arguments, e.g. "--poll-us 0"
 TARGET_CPUMASK=${TARGET_CPUMASK:-}               # controller cpumask (default: the target's, 0x1)
-LVOL_IMG=${LVOL_IMG:-/var/tmp/katablk-bench-lvol.img} # lvol-file: lvstore on a copy of FILE_IMG
+LVOL_IMG=${LVOL_IMG:-${IMG_DIR:-/var/tmp}/katablk-bench-lvol.img} # lvol-file: lvstore on a copy of FILE_IMG
 LVS_SLACK_MIB=${LVS_SLACK_MIB:-16}               # extra MiB of lvstore devices (metadata), so the
                                                  # thick lvol is IMG_MIB like the raw device
-THIN_IMG=${THIN_IMG:-/var/tmp/katablk-bench-thin.img} # thin-first-write: fresh sparse file per run
+THIN_IMG=${THIN_IMG:-${IMG_DIR:-/var/tmp}/katablk-bench-thin.img} # thin-first-write: fresh sparse file per run
 THIN_MIB=${THIN_MIB:-$IMG_MIB}                   # thin lvol size
 THIN_CLUSTER=${THIN_CLUSTER:-}                   # thin lvstore cluster_sz in bytes (default 4 MiB)
 THIN_WORKLOADS=${THIN_WORKLOADS:-randwrite-4k-qd32} # workloads of thin-first-write (run with RAMP 0)
@@ -167,6 +171,14 @@ if [ "$DIRECT" = 1 ] && [[ " ${active[*]} " == *" target "* ]]; then
 fi
 
 # --- backing stores ----------------------------------------------------------------------
+if [ -n "$IMG_DIR" ]; then
+    mkdir -p "$IMG_DIR"
+    fstype=$(stat -f -c %T "$IMG_DIR" 2>/dev/null || echo unknown)
+    NOTES+=("images in IMG_DIR=$IMG_DIR ($fstype)")
+    if [ "$fstype" != tmpfs ]; then
+        log "note: IMG_DIR $IMG_DIR is on $fstype, not tmpfs: the images may still be evicted"
+    fi
+fi
 prefill() { # PATH: a random-filled image of IMG_MIB MiB, so reads hit real data
     local path=$1
     if [ "$REFILL" = 1 ] || [ ! -f "$path" ] || [ "$(stat -c %s "$path")" -ne $((IMG_MIB << 20)) ]; then
@@ -454,7 +466,7 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "katablk-target: $KATABLK_TARGET ($([ -x "$KATABLK_TARGET" ] && echo present || echo absent))"
     echo "katablk-vhost: $KATABLK_VHOST ($([ -x "$KATABLK_VHOST" ] && echo present || echo absent))"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"

@@ -5,6 +5,8 @@
 #
 #   scripts/bench-target.sh                       # full run, ~45 min on 2 cores
 #   ROUNDS=1 RUNTIME=2 TB_ITERATIONS=10 scripts/bench-target.sh   # quick trial
+#   IMG_DIR=/dev/shm/katablk-bench SERVERS=target CASES="aio-file lvol-file" TB=0 \
+#       scripts/bench-target.sh   # raw file vs lvol on file, both images on tmpfs
 #
 # Everything bench-compare.sh reads from the environment applies; the defaults differ:
 # SERVERS="target katablk qsd", CASES="aio-file lvol-file malloc lvol-ram thin-first-write",

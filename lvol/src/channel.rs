@@ -68,7 +68,12 @@ struct Piece {
     /// Offset on the backing device.
     dev_off: u64,
     op: IoOp,
+    /// Which of the volume's `io_count` buckets counts this piece ([`NOT_COUNTED`]: none).
+    bucket: u8,
 }
+
+/// Bucket of a piece that does not touch a cluster of the volume that could be released.
+const NOT_COUNTED: u8 = 2;
 
 /// An [`IoChannel`] on a [`Lvol`].
 pub(crate) struct LvolChannel {
@@ -245,7 +250,7 @@ impl LvolChannel {
             offset: p.dev_off,
             len: if p.op == IoOp::Flush { 0 } else { p.len },
             iov: &self.scratch,
-            token: u64::from(p.slot),
+            token: u64::from(p.slot) | (u64::from(p.bucket) << 32),
         };
         // SAFETY: the buffers are sub-ranges of the ones the caller passed to our `submit`,
         // whose contract keeps them valid until we return the slot's completion, which happens
@@ -258,6 +263,7 @@ impl LvolChannel {
             }
             Err(e) => {
                 self.fail(p.slot, e.into());
+                self.vol.uncount(p.bucket);
                 let slot = &mut self.slots[p.slot as usize];
                 slot.outstanding -= 1;
                 false
@@ -302,6 +308,7 @@ impl LvolChannel {
                 len: 0,
                 dev_off: 0,
                 op,
+                bucket: NOT_COUNTED,
             });
         } else {
             let vol = self.vol.clone();
@@ -318,7 +325,7 @@ impl LvolChannel {
                 while o < end {
                     let c = o / self.cs;
                     let n = ((c + 1) * self.cs).min(end) - o;
-                    self.dispatch_piece(&st, &vol, s, op, c, o, n);
+                    self.dispatch_piece(&st, &vol, s, op, c, o, n, true);
                     o += n;
                 }
             }
@@ -327,6 +334,9 @@ impl LvolChannel {
         self.maybe_finish(s);
     }
 
+    /// Maps one piece (within cluster `c`) and issues it, parks it for an allocation or a
+    /// release, or completes it at once. `may_release`: a whole-cluster discard may release
+    /// the cluster (false once the store declined to).
     #[allow(clippy::too_many_arguments)]
     fn dispatch_piece(
         &mut self,
@@ -337,26 +347,57 @@ impl LvolChannel {
         c: u64,
         off: u64,
         len: u64,
+        may_release: bool,
     ) {
         let in_off = off - c * self.cs;
         let own = st.map[c as usize];
+        // Pieces on the volume's own clusters of a thin volume are counted, so that a release
+        // can wait for those issued before it unmapped the cluster.
         let piece = |phys: u32, op: IoOp| Piece {
             slot: s,
             off,
             len,
             dev_off: u64::from(phys) * self.cs + in_off,
             op,
+            bucket: if st.thin && phys == own {
+                vol.count()
+            } else {
+                NOT_COUNTED
+            },
         };
         match op {
             IoOp::Read => match Lvol::resolve(st, c) {
                 Some(p) => {
                     self.slots[s as usize].outstanding += 1;
-                    self.issue(piece(p, op));
+                    let p = piece(p, op);
+                    self.issue(p);
                 }
                 None => self.zero_fill(s, off, len),
             },
             IoOp::Write | IoOp::WriteZeroes { .. } | IoOp::Discard => {
                 if own != 0 {
+                    // A discard (or write-zeroes that allows unmapping) of a whole cluster of a
+                    // thin volume, where reading it unallocated gives zeroes, gives the cluster
+                    // back to the store (SPDK releases clusters of thin blobs on unmap).
+                    let unmap = matches!(op, IoOp::Discard | IoOp::WriteZeroes { unmap: true });
+                    if may_release
+                        && unmap
+                        && st.thin
+                        && !st.read_only
+                        && in_off == 0
+                        && len == self.cs
+                        && !Lvol::ancestor_has(st, c)
+                    {
+                        let w = Waiter {
+                            chan: self.shared.clone(),
+                            slot: s,
+                        };
+                        if let AllocReq::Queued = vol.shared.request_release(vol, c, w) {
+                            self.slots[s as usize].outstanding += 1;
+                            self.alloc_waits += 1;
+                            return;
+                        }
+                    }
                     let op = match op {
                         IoOp::Discard if !self.backing_discard => return,
                         IoOp::WriteZeroes { .. } if !self.backing_wz => {
@@ -366,7 +407,8 @@ impl LvolChannel {
                         o => o,
                     };
                     self.slots[s as usize].outstanding += 1;
-                    self.issue(piece(own, op));
+                    let p = piece(own, op);
+                    self.issue(p);
                     return;
                 }
                 // Unallocated. Discard never allocates; write-zeroes only when an ancestor
@@ -390,7 +432,10 @@ impl LvolChannel {
         }
     }
 
-    /// Issues the pieces of slot `s` that fall in cluster `c` after its allocation.
+    /// Issues the pieces of slot `s` that fall in cluster `c` after the store allocated or
+    /// released it (or declined to release it): the cluster is mapped again from the volume's
+    /// current state, so a write that waited behind a release allocates a new cluster, and a
+    /// discard whose release was declined goes to the device as before.
     fn resume(&mut self, s: u32, c: u64) {
         let (op, offset, len) = {
             let sl = &self.slots[s as usize];
@@ -403,13 +448,12 @@ impl LvolChannel {
         }
         let vol = self.vol.clone();
         let st = vol.st();
-        if st.map.get(c as usize).copied().unwrap_or(0) == 0 {
-            // Allocated and already released again (cannot happen while the slot is in
-            // flight, as shrink and delete drain I/O first).
+        if st.deleted || c as usize >= st.map.len() {
+            // Shrink and delete drain I/O first, so this cannot happen while the slot waits.
             self.fail(s, IoError::Errno(libc::EIO));
             return;
         }
-        self.dispatch_piece(&st, &vol, s, op, c, off, end - off);
+        self.dispatch_piece(&st, &vol, s, op, c, off, end - off, false);
     }
 
     fn progress(&mut self) -> bool {
@@ -419,11 +463,16 @@ impl LvolChannel {
             moved = true;
             let bdone = std::mem::take(&mut self.bdone);
             for c in &bdone {
-                let s = c.token as u32;
-                if c.token >= self.slots.len() as u64 || self.slots[s as usize].outstanding == 0 {
+                let s = (c.token & 0xffff_ffff) as u32;
+                let bucket = c.token >> 32;
+                if s as usize >= self.slots.len()
+                    || bucket > u64::from(NOT_COUNTED)
+                    || self.slots[s as usize].outstanding == 0
+                {
                     tracing::error!("backing device returned unknown token {}", c.token);
                     continue;
                 }
+                self.vol.uncount(bucket as u8);
                 if let Err(e) = c.result {
                     self.fail(s, e);
                 }

@@ -54,4 +54,5 @@ pub mod superblock;
 pub use error::{LvolError, Result};
 pub use lvol::{Lvol, LvolInfo};
 pub use md::ClearMethod;
+pub use recover::OpenReport;
 pub use store::{LvStore, LvolOptions, LvsInfo, LvsOptions, DEFAULT_CLUSTER_SIZE};

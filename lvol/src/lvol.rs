@@ -59,6 +59,8 @@ pub(crate) struct VolState {
     pub(crate) parent: Option<Arc<Lvol>>,
     pub(crate) read_only: bool,
     pub(crate) deleted: bool,
+    /// Thin provisioned: whole-cluster discards may release clusters.
+    pub(crate) thin: bool,
 }
 
 /// A logical volume. Implements [`BlockDevice`]; obtained from [`crate::LvStore`].
@@ -72,6 +74,12 @@ pub struct Lvol {
     /// Number of operations that froze the volume (new I/O is deferred while non-zero).
     pub(crate) frozen: AtomicU32,
     pub(crate) inflight: AtomicU64,
+    /// Epoch of the cluster map, advanced by each release after it unmapped clusters.
+    pub(crate) io_epoch: AtomicU64,
+    /// Device requests on the volume's own clusters in flight, by epoch parity (thin volumes
+    /// only): a release waits for the bucket of the epoch in which it unmapped a cluster to
+    /// drain before the cluster can be handed out again.
+    pub(crate) io_count: [AtomicU64; 2],
 }
 
 impl std::fmt::Debug for Lvol {
@@ -128,6 +136,51 @@ impl Lvol {
     /// The volume was deleted (I/O fails).
     pub fn is_deleted(&self) -> bool {
         self.st().deleted
+    }
+
+    /// Counts a device request on one of the volume's own clusters, issued while the caller
+    /// holds the state read lock; returns its bucket for [`Lvol::uncount`].
+    pub(crate) fn count(&self) -> u8 {
+        let b = (self.io_epoch.load(Ordering::SeqCst) & 1) as usize;
+        self.io_count[b].fetch_add(1, Ordering::SeqCst);
+        b as u8
+    }
+
+    /// The request counted in `bucket` completed (no-op for uncounted requests).
+    pub(crate) fn uncount(&self, bucket: u8) {
+        if let Some(c) = self.io_count.get(bucket as usize) {
+            c.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Starts a new epoch (after clusters were unmapped) and waits, up to `timeout`, until
+    /// every counted request issued in the previous one has completed.
+    pub(crate) fn drain_epoch(&self, timeout: Duration) -> bool {
+        let old = self.io_epoch.fetch_add(1, Ordering::SeqCst);
+        let bucket = &self.io_count[(old & 1) as usize];
+        let start = Instant::now();
+        while bucket.load(Ordering::SeqCst) != 0 {
+            if start.elapsed() > timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        true
+    }
+
+    /// Whether an ancestor (parent snapshot, its parent, ...) has data in logical cluster `c`.
+    pub(crate) fn ancestor_has(st: &VolState, c: u64) -> bool {
+        let mut p = st.parent.clone();
+        while let Some(v) = p {
+            let ps = v.st();
+            match ps.map.get(c as usize) {
+                Some(&x) if x != 0 => return true,
+                Some(_) => {}
+                None => return false,
+            }
+            p = ps.parent.clone();
+        }
+        false
     }
 
     /// Physical cluster holding logical cluster `c` in this volume or its nearest ancestor.

@@ -1,13 +1,16 @@
-//! Examination of a store on open: scan the metadata region, roll back an interrupted
-//! transaction, pick each blob's newest chain, cross-check everything, rebuild the allocation
-//! masks and scrub garbage pages (the rules are in `docs/FORMAT.md`, "Transactions and
+//! Examination of a store on open: read the persisted masks of a cleanly shut down store (or
+//! scan the whole metadata region), roll back an interrupted transaction, pick each blob's
+//! newest chain, cross-check everything, rebuild or check the allocation masks and scrub
+//! garbage pages (the rules are in `docs/FORMAT.md`, "Transactions and
 //! recovery").
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
 use crate::md::{decode_blob, parse_page, PageHdr, PageState, NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE};
 use crate::store::MdState;
+use crate::superblock::{decode_mask, MASK_TYPE_CLUSTERS, MASK_TYPE_PAGES};
 
 const PAGE: u64 = PAGE_SIZE as u64;
 /// Pages read per request when scanning the metadata region.
@@ -19,20 +22,202 @@ struct Seen {
     hdr: PageHdr,
 }
 
+/// How a store was opened (see [`crate::LvStore::open_report`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Format version of the store.
+    pub version: u32,
+    /// The super block said the store had been shut down cleanly.
+    pub clean: bool,
+    /// The allocation state came from the persisted masks (clean version-2 store): only the
+    /// metadata pages marked used were read.
+    pub masks_used: bool,
+    /// Why the masks of a clean version-2 store were not used (the metadata region was
+    /// scanned instead).
+    pub mask_fallback: Option<String>,
+    /// Metadata pages read.
+    pub md_pages_read: u64,
+    /// An interrupted transaction that was rolled back.
+    pub rolled_back_txn: Option<u64>,
+    /// Metadata pages erased (superseded, torn, rolled back, old tombstones).
+    pub pages_scrubbed: u64,
+}
+
+/// What examining the metadata pages found (nothing written yet).
+struct Exam {
+    nonzero: Vec<u32>,
+    live_pages: HashSet<u32>,
+    tomb_pages: Vec<u32>,
+    tomb_txn: HashMap<u32, u64>,
+    committed_max: u64,
+    ignored_txn: Option<u64>,
+    pages_read: u64,
+}
+
 impl MdState {
-    /// Scans the metadata region and rebuilds the in-memory state (see FORMAT.md, "Recovery").
-    pub(crate) fn recover(&mut self) -> Result<()> {
+    /// Forgets everything [`MdState::examine`] derived, for a second attempt.
+    fn reset_tables(&mut self) {
+        self.blobs.clear();
+        self.pages.clear();
+        self.clusters = Bitmap::new(self.sb.num_clusters);
+        for c in 0..self.sb.first_data_cluster {
+            self.clusters.set(c);
+        }
+        self.md_used = Bitmap::new(u64::from(self.sb.md_len));
+        self.next_id = 0;
+        self.next_txn = 1;
+    }
+
+    /// Reads the mask regions of a cleanly shut down version-2 store.
+    fn load_masks(&mut self) -> std::result::Result<(Bitmap, Option<Bitmap>), String> {
+        let sb = self.sb.clone();
+        let mut read = |start: u32, len: u32, kind: u8, bits: u64| {
+            let mut r = vec![0u8; len as usize * PAGE_SIZE];
+            self.io
+                .read_at(u64::from(start) * PAGE, &mut r)
+                .map_err(|e| format!("reading mask region: {e}"))?;
+            decode_mask(&r, kind, sb.generation, bits)
+        };
+        let pages = read(
+            sb.pmask_start,
+            sb.pmask_len,
+            MASK_TYPE_PAGES,
+            u64::from(sb.md_len),
+        )
+        .map_err(|e| format!("metadata page mask: {e}"))?;
+        let clusters = if sb.cmask_len == 0 {
+            None
+        } else {
+            Some(
+                read(
+                    sb.cmask_start,
+                    sb.cmask_len,
+                    MASK_TYPE_CLUSTERS,
+                    sb.num_clusters,
+                )
+                .map_err(|e| format!("cluster mask: {e}"))?,
+            )
+        };
+        Ok((pages, clusters))
+    }
+
+    /// Opens the store: from the persisted masks when the store was shut down cleanly and has
+    /// them, otherwise (or when they do not check out) by scanning the whole metadata region;
+    /// then clears the clean flag and scrubs (see FORMAT.md, "Opening a store").
+    pub(crate) fn recover(&mut self) -> Result<OpenReport> {
+        let mut report = OpenReport {
+            version: self.sb.version,
+            clean: self.sb.clean,
+            ..Default::default()
+        };
+        let mut exam = None;
+        if self.sb.clean && self.sb.has_masks() {
+            let r = self.load_masks().and_then(|(pmask, cmask)| {
+                let ex = self.examine(Some(&pmask)).map_err(|e| e.to_string())?;
+                report.md_pages_read = ex.pages_read;
+                self.check_masks(&ex, &pmask, cmask.as_ref())?;
+                Ok(ex)
+            });
+            match r {
+                Ok(ex) => {
+                    report.masks_used = true;
+                    exam = Some(ex);
+                }
+                Err(why) => {
+                    tracing::warn!(
+                        "lvstore {}: not using the persisted allocation masks ({why}); \
+                         scanning the metadata region",
+                        self.sb.name
+                    );
+                    report.mask_fallback = Some(why);
+                    self.reset_tables();
+                }
+            }
+        }
+        let ex = match exam {
+            Some(ex) => ex,
+            None => self.examine(None)?,
+        };
+        report.md_pages_read += ex.pages_read;
+        report.rolled_back_txn = ex.ignored_txn;
+        report.pages_scrubbed = self.finish_open(ex)?;
+        tracing::info!(
+            "opened lvstore {} ({}): {} volumes, {} free clusters, {} metadata pages read{}, \
+             {} pages scrubbed",
+            self.sb.name,
+            self.sb.uuid,
+            self.blobs.len(),
+            self.free_clusters(),
+            report.md_pages_read,
+            if report.masks_used {
+                " (persisted masks)"
+            } else {
+                ""
+            },
+            report.pages_scrubbed,
+        );
+        Ok(report)
+    }
+
+    /// The persisted masks must say exactly what the chains say: every page marked used is
+    /// part of a current chain or a tombstone (no garbage), and the used clusters are exactly
+    /// those the volumes map. Free to check, as the chains are decoded anyway.
+    fn check_masks(
+        &self,
+        ex: &Exam,
+        pmask: &Bitmap,
+        cmask: Option<&Bitmap>,
+    ) -> std::result::Result<(), String> {
+        if ex.ignored_txn.is_some() || ex.nonzero.len() != ex.live_pages.len() + ex.tomb_pages.len()
+        {
+            return Err("pages marked used hold no current metadata".into());
+        }
+        if &self.md_used != pmask {
+            return Err(format!(
+                "{} pages marked used, {} in use by the chains",
+                pmask.count_set(),
+                self.md_used.count_set()
+            ));
+        }
+        if let Some(c) = cmask {
+            if &self.clusters != c {
+                return Err(format!(
+                    "{} clusters marked used, {} in use by the volumes",
+                    c.count_set(),
+                    self.clusters.count_set()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the metadata pages (all of them, or those set in `only`) and rebuilds the
+    /// in-memory state; writes nothing.
+    fn examine(&mut self, only: Option<&Bitmap>) -> Result<Exam> {
         let md_len = u64::from(self.sb.md_len);
         let mut seen: Vec<Seen> = Vec::new();
         let mut nonzero: Vec<u32> = Vec::new();
         let mut bodies: HashMap<u32, Vec<u8>> = HashMap::new();
         let mut buf = vec![0u8; (SCAN_CHUNK * PAGE) as usize];
+        let mut pages_read = 0;
         let mut p = 0;
         while p < md_len {
-            let n = SCAN_CHUNK.min(md_len - p);
+            let mut n = SCAN_CHUNK.min(md_len - p);
+            if let Some(m) = only {
+                // Skip to the next used page and read only the run of used pages from there.
+                match m.find_set(p) {
+                    Some(x) => p = x,
+                    None => break,
+                }
+                n = 1;
+                while n < SCAN_CHUNK && p + n < md_len && m.get(p + n) {
+                    n += 1;
+                }
+            }
             let b = &mut buf[..(n * PAGE) as usize];
             let off = (u64::from(self.sb.md_start) + p) * PAGE;
             self.io.read_at(off, b)?;
+            pages_read += n;
             for i in 0..n {
                 let pg = &b[(i * PAGE) as usize..((i + 1) * PAGE) as usize];
                 let idx = (p + i) as u32;
@@ -226,7 +411,30 @@ impl MdState {
         for &p in live_pages.iter().chain(tomb_pages.iter()) {
             self.md_used.set(u64::from(p));
         }
-        // From here on the store is in use: clear the clean flag before touching anything.
+        Ok(Exam {
+            nonzero,
+            live_pages,
+            tomb_pages,
+            tomb_txn,
+            committed_max,
+            ignored_txn,
+            pages_read,
+        })
+    }
+
+    /// Clears the clean flag (durably, before anything else is written), then scrubs.
+    /// Returns the number of pages erased.
+    fn finish_open(&mut self, ex: Exam) -> Result<u64> {
+        let Exam {
+            nonzero,
+            live_pages,
+            tomb_pages,
+            tomb_txn,
+            committed_max,
+            ..
+        } = ex;
+        // From here on the store is in use: clear the clean flag before touching anything, so
+        // that the masks written at the last clean shutdown are never trusted again.
         let mut sb = self.sb.clone();
         sb.clean = false;
         self.write_sb(sb)?;
@@ -257,14 +465,6 @@ impl MdState {
         }
         self.deferred_zero = keep;
         self.last_committed = committed_max;
-        tracing::info!(
-            "opened lvstore {} ({}): {} volumes, {} free clusters, {} pages scrubbed",
-            self.sb.name,
-            self.sb.uuid,
-            self.blobs.len(),
-            self.free_clusters(),
-            garbage.len() + old_tombs.len()
-        );
-        Ok(())
+        Ok((garbage.len() + old_tombs.len()) as u64)
     }
 }

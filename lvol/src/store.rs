@@ -17,7 +17,11 @@ use crate::lvol::{Lvol, LvolInfo, VolState};
 use crate::md::{
     build_page, encode_blob, BlobMd, ClearMethod, PageHdr, NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE,
 };
-use crate::superblock::{SuperBlock, MAX_NAME, MD_START, SLOTS};
+use crate::recover::OpenReport;
+use crate::superblock::{
+    encode_mask, mask_capacity, mask_pages, SuperBlock, MASK_TYPE_CLUSTERS, MASK_TYPE_PAGES,
+    MAX_NAME, SLOTS, VERSION,
+};
 
 /// Default cluster size (SPDK's): 4 MiB.
 pub const DEFAULT_CLUSTER_SIZE: u32 = 4 << 20;
@@ -38,7 +42,8 @@ pub struct LvsOptions {
     /// Cluster size in bytes: a power of two, at least 4 KiB (default 4 MiB).
     pub cluster_size: u32,
     /// Pages reserved for metadata; default one per 8 clusters, at least 64 (SPDK reserves one
-    /// per cluster, but it reads only the used ones on a clean load; katablk scans them all).
+    /// per cluster; like SPDK, a clean open reads only the used ones, found in the persisted
+    /// metadata page mask, and an open after a crash scans them all).
     pub md_pages: Option<u32>,
     /// How the data area is cleared at creation (SPDK's lvstore `clear_method`).
     pub clear_method: ClearMethod,
@@ -100,6 +105,8 @@ pub(crate) struct Waiter {
 pub(crate) struct AllocQueue {
     pub(crate) pending: HashMap<(u64, u64), Vec<Waiter>>,
     pub(crate) queue: Vec<(Arc<Lvol>, u64)>,
+    /// Whole clusters discarded on thin volumes, to be given back to the store.
+    pub(crate) releases: Vec<(Arc<Lvol>, u64)>,
     pub(crate) closed: bool,
 }
 
@@ -160,6 +167,7 @@ pub(crate) struct MdState {
 pub struct LvStore {
     pub(crate) shared: Arc<Shared>,
     worker: Mutex<Option<JoinHandle<()>>>,
+    report: OpenReport,
 }
 
 impl std::fmt::Debug for LvStore {
@@ -212,6 +220,26 @@ impl Shared {
         }
         AllocReq::Queued
     }
+
+    /// Queues the release of logical cluster `c` of `vol` (a whole-cluster discard); the
+    /// waiter is told when done. Requests for the same cluster share one entry, so a write
+    /// that finds the cluster already unmapped waits for the release and then allocates anew.
+    pub(crate) fn request_release(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
+        let mut q = self.aq();
+        if q.closed {
+            return AllocReq::Closed;
+        }
+        let key = (vol.id, c);
+        match q.pending.get_mut(&key) {
+            Some(ws) => ws.push(w),
+            None => {
+                q.pending.insert(key, vec![w]);
+                q.releases.push((vol.clone(), c));
+                self.alloc_cv.notify_one();
+            }
+        }
+        AllocReq::Queued
+    }
 }
 
 impl MdState {
@@ -243,6 +271,35 @@ impl MdState {
         self.flush()?;
         self.sb = sb;
         Ok(())
+    }
+
+    /// Writes the used-page and used-cluster masks to their regions, stamped with the
+    /// generation the next super block write gets, and flushes (clean shutdown, before the
+    /// super block says `clean`).
+    fn write_masks(&mut self) -> Result<()> {
+        if !self.sb.has_masks() {
+            return Ok(());
+        }
+        let generation = self.sb.generation + 1;
+        let r = encode_mask(
+            MASK_TYPE_PAGES,
+            generation,
+            &self.md_used,
+            self.sb.pmask_len,
+        );
+        self.io
+            .write_at(u64::from(self.sb.pmask_start) * PAGE, &r)?;
+        if self.sb.cmask_len != 0 {
+            let r = encode_mask(
+                MASK_TYPE_CLUSTERS,
+                generation,
+                &self.clusters,
+                self.sb.cmask_len,
+            );
+            self.io
+                .write_at(u64::from(self.sb.cmask_start) * PAGE, &r)?;
+        }
+        self.flush()
     }
 
     pub(crate) fn check_ok_pub(&self) -> Result<()> {
@@ -503,6 +560,7 @@ impl MdState {
         st.map = b.clusters.clone();
         st.parent = parent;
         st.read_only = b.read_only;
+        st.thin = b.thin;
     }
 
     /// Registers a live handle for a new blob.
@@ -519,9 +577,12 @@ impl MdState {
                 parent: None,
                 read_only: false,
                 deleted: false,
+                thin: false,
             }),
             frozen: std::sync::atomic::AtomicU32::new(0),
             inflight: AtomicU64::new(0),
+            io_epoch: AtomicU64::new(0),
+            io_count: [AtomicU64::new(0), AtomicU64::new(0)],
         });
         self.vols.insert(id, v.clone());
         self.publish(id);
@@ -659,7 +720,7 @@ fn describe_foreign(p0: &[u8]) -> String {
 }
 
 impl LvStore {
-    fn start(shared: Arc<Shared>) -> LvStore {
+    fn start(shared: Arc<Shared>, report: OpenReport) -> LvStore {
         let s2 = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("lvs-{}-alloc", shared.name()))
@@ -672,6 +733,7 @@ impl LvStore {
         LvStore {
             shared,
             worker: Mutex::new(handle),
+            report,
         }
     }
 
@@ -692,21 +754,36 @@ impl LvStore {
         if num_clusters > u64::from(u32::MAX) {
             return Err(LvolError::Invalid("device has too many clusters".into()));
         }
+        // Mask regions follow the super block slots, as in SPDK: the used-page mask, then the
+        // used-cluster mask with room for the store to grow to 4 times its size (at least one
+        // page, which holds 32512 clusters).
+        let cmask_len = mask_pages((num_clusters.saturating_mul(4)).min(u64::from(u32::MAX)));
         let md_len = match opts.md_pages {
             Some(0) => return Err(LvolError::Invalid("md_pages must be positive".into())),
             Some(n) => n,
-            // One page per 8 clusters, but at least enough for the super block pages and the
-            // metadata to fill the first 4 MiB (1020 pages: room for ~500 volumes, as every
-            // change writes a volume's new chain before freeing the old one) where the device
-            // can spare 1/16 of itself, and at least 64 pages; at most 2^18 pages, to keep the
-            // open-time scan short. With 4 MiB clusters the data still starts at cluster 1.
+            // One page per 8 clusters, but at least enough for the super block and mask pages
+            // and the metadata to fill the first 4 MiB (1020 pages for most stores: room for
+            // ~500 volumes, as every change writes a volume's new chain before freeing the old
+            // one) where the device can spare 1/16 of itself, and at least 64 pages; at most
+            // 2^18 pages, to keep the scan after a crash short. With 4 MiB clusters the data
+            // still starts at cluster 1.
             None => {
+                let header = SLOTS + 1 + cmask_len;
                 let floor = (info.size_bytes() / PAGE / 16)
-                    .clamp(64, (4 << 20) / PAGE - u64::from(MD_START));
+                    .clamp(64, ((4 << 20) / PAGE).saturating_sub(header).max(64));
                 (num_clusters / 8).clamp(floor, 1 << 18) as u32
             }
         };
-        let md_end = (u64::from(MD_START) + u64::from(md_len)) * PAGE;
+        let pmask_len = mask_pages(u64::from(md_len));
+        let md_start = SLOTS + pmask_len + cmask_len;
+        let (Ok(md_start), Ok(pmask_len), Ok(cmask_len)) = (
+            u32::try_from(md_start),
+            u32::try_from(pmask_len),
+            u32::try_from(cmask_len),
+        ) else {
+            return Err(LvolError::Invalid("store too large".into()));
+        };
+        let md_end = (u64::from(md_start) + u64::from(md_len)) * PAGE;
         let first_data_cluster = md_end.div_ceil(u64::from(cs));
         if first_data_cluster >= num_clusters {
             return Err(LvolError::Invalid(format!(
@@ -715,10 +792,11 @@ impl LvStore {
             )));
         }
         let sb = SuperBlock {
+            version: VERSION,
             generation: 1,
             cluster_size: cs,
             block_size: info.block_size,
-            md_start: MD_START,
+            md_start,
             md_len,
             size: num_clusters * u64::from(cs),
             num_clusters,
@@ -727,14 +805,22 @@ impl LvStore {
             name: opts.name.clone(),
             clean: false,
             last_txn: 0,
+            pmask_start: SLOTS as u32,
+            pmask_len,
+            cmask_start: SLOTS as u32 + pmask_len,
+            cmask_len,
         };
         sb.validate()?;
         let io = SyncIo::new(dev.as_ref())?;
         let mut st = Self::empty_state(io, sb.clone(), &info);
-        // Kill the old identity first, then the old metadata, then clear the data area.
-        st.zero_range(0, u64::from(MD_START) * PAGE)?;
+        // Kill the old identity first, then the old masks and metadata, then clear the data
+        // area.
+        st.zero_range(0, SLOTS * PAGE)?;
         st.flush()?;
-        st.zero_range(u64::from(MD_START) * PAGE, u64::from(md_len) * PAGE)?;
+        st.zero_range(
+            SLOTS * PAGE,
+            (u64::from(md_start) - SLOTS + u64::from(md_len)) * PAGE,
+        )?;
         let data_off = first_data_cluster * u64::from(cs);
         let data_len = (num_clusters - first_data_cluster) * u64::from(cs);
         match opts.clear_method {
@@ -759,7 +845,11 @@ impl LvStore {
             sb.uuid,
             num_clusters - first_data_cluster
         );
-        Ok(Self::start(shared))
+        let report = OpenReport {
+            version: VERSION,
+            ..Default::default()
+        };
+        Ok(Self::start(shared, report))
     }
 
     fn empty_state(io: SyncIo, sb: SuperBlock, info: &katablk_bdev::DeviceInfo) -> MdState {
@@ -803,8 +893,10 @@ impl LvStore {
         })
     }
 
-    /// Opens (examines) the store on `dev`: validates the super block, scans the metadata
-    /// region, recovers from an interrupted transaction and rebuilds the allocation masks.
+    /// Opens (examines) the store on `dev`: validates the super block; after a clean shutdown
+    /// reads the persisted allocation masks and only the metadata pages they mark used,
+    /// otherwise scans the whole metadata region, recovers from an interrupted transaction and
+    /// rebuilds the masks (see [`LvStore::open_report`]).
     pub fn open(dev: Arc<dyn BlockDevice>) -> Result<LvStore> {
         let info = dev.info();
         let mut io = SyncIo::new(dev.as_ref())?;
@@ -822,7 +914,7 @@ impl LvStore {
             });
         }
         let mut st = Self::empty_state(io, sb, &info);
-        st.recover()?;
+        let report = st.recover()?;
         let sb = st.sb.clone();
         let shared = Self::make_shared(dev, &sb, st);
         {
@@ -836,7 +928,14 @@ impl LvStore {
                 st.publish(id);
             }
         }
-        Ok(Self::start(shared))
+        Ok(Self::start(shared, report))
+    }
+
+    /// How [`LvStore::open`] found the store: clean or not, whether the persisted allocation
+    /// masks were used, how many metadata pages were read, what was rolled back and scrubbed.
+    /// For a store made by [`LvStore::create`], all fields are defaults except `version`.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
     }
 
     /// Whether `dev` holds a katablk lvstore (a valid super block in either slot), without
@@ -858,6 +957,7 @@ impl LvStore {
             let mut q = self.shared.aq();
             q.closed = true;
             q.queue.clear();
+            q.releases.clear();
             q.pending.drain().flat_map(|(_, w)| w).collect()
         };
         for w in waiters {
@@ -872,7 +972,12 @@ impl LvStore {
             let mut sb = st.sb.clone();
             sb.clean = true;
             sb.last_txn = st.last_committed;
-            if let Err(e) = st.flush().and_then(|_| st.write_sb(sb)) {
+            // Masks first (flushed), then the super block that makes them valid.
+            if let Err(e) = st
+                .flush()
+                .and_then(|_| st.write_masks())
+                .and_then(|_| st.write_sb(sb))
+            {
                 tracing::warn!("lvstore {}: marking clean shutdown: {e}", st.sb.name);
             }
         }
@@ -893,7 +998,8 @@ impl LvStore {
         self.close();
         let mut st = self.shared.md();
         st.poisoned = true;
-        st.zero_range(0, u64::from(MD_START) * PAGE)?;
+        let header = u64::from(st.sb.md_start) * PAGE;
+        st.zero_range(0, header)?;
         st.flush()?;
         let (start, len) = (u64::from(st.sb.md_start), u64::from(st.sb.md_len));
         st.zero_range(start * PAGE, len * PAGE)?;
@@ -964,6 +1070,18 @@ impl LvStore {
             let mut sb = st.sb.clone();
             sb.num_clusters = n;
             sb.size = n * cs;
+            if sb.cmask_len != 0 && mask_capacity(sb.cmask_len) < n {
+                // No room to persist the larger cluster mask: stop keeping one. Opens after a
+                // clean shutdown still read only the used metadata pages and derive the used
+                // clusters from the volumes.
+                tracing::warn!(
+                    "lvstore {}: the cluster mask region holds {} clusters, the store now has \
+                     {n}; the cluster mask is no longer persisted",
+                    sb.name,
+                    mask_capacity(sb.cmask_len)
+                );
+                sb.cmask_len = 0;
+            }
             sb.validate()?;
             st.write_sb(sb)?;
             st.clusters.grow(n);

@@ -2,6 +2,7 @@
 
 use uuid::Uuid;
 
+use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
 use crate::md::{crc, get_u32, get_u64, put_u32, put_u64, PAGE_SIZE};
 
@@ -9,18 +10,39 @@ use crate::md::{crc, get_u32, get_u64, put_u32, put_u64, PAGE_SIZE};
 pub const SIGNATURE: &[u8; 8] = b"KATABLOB";
 /// Signature of a real SPDK blobstore (recognised to give a clear error).
 pub const SPDK_SIGNATURE: &[u8; 8] = b"SPDKBLOB";
-/// Current format version.
-pub const VERSION: u32 = 1;
+/// Current format version (written by [`crate::LvStore::create`]).
+pub const VERSION: u32 = 2;
+/// The first format version (no persisted masks); still opened and written back as version 1.
+pub const VERSION_1: u32 = 1;
 /// Longest lvstore or lvol name in bytes (SPDK: 63 characters plus NUL).
 pub const MAX_NAME: usize = 63;
 /// Number of super block slots (pages 0 and 1).
 pub const SLOTS: u64 = 2;
-/// First page of the metadata region in a store created by this version.
+/// First page of the metadata region of a version-1 store (and of a version-2 store whose
+/// masks fit one page each).
 pub const MD_START: u32 = 4;
+/// Bytes of the header of a mask region.
+pub const MASK_HDR: usize = 32;
+/// Mask type of the used-metadata-page mask (SPDK's `SPDK_MD_MASK_TYPE_USED_PAGES`).
+pub const MASK_TYPE_PAGES: u8 = 0;
+/// Mask type of the used-cluster mask (SPDK's `SPDK_MD_MASK_TYPE_USED_CLUSTERS`).
+pub const MASK_TYPE_CLUSTERS: u8 = 1;
+
+/// Pages a mask region of `bits` bits needs.
+pub fn mask_pages(bits: u64) -> u64 {
+    (MASK_HDR as u64 + bits.div_ceil(8)).div_ceil(PAGE_SIZE as u64)
+}
+
+/// Bits a mask region of `pages` pages holds.
+pub fn mask_capacity(pages: u32) -> u64 {
+    (u64::from(pages) * PAGE_SIZE as u64).saturating_sub(MASK_HDR as u64) * 8
+}
 
 /// Decoded super block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SuperBlock {
+    /// Format version: [`VERSION`] or [`VERSION_1`].
+    pub version: u32,
     /// Bumped on every rewrite; the valid slot with the highest generation wins.
     pub generation: u64,
     /// Cluster size in bytes.
@@ -45,6 +67,15 @@ pub struct SuperBlock {
     pub clean: bool,
     /// Last metadata transaction committed before a clean shutdown.
     pub last_txn: u64,
+    /// First page of the used-metadata-page mask region (version 2; 0 in version 1).
+    pub pmask_start: u32,
+    /// Pages of the used-metadata-page mask region (0: no masks, as in version 1).
+    pub pmask_len: u32,
+    /// First page of the used-cluster mask region (version 2; 0 in version 1).
+    pub cmask_start: u32,
+    /// Pages of the used-cluster mask region; 0 when no cluster mask is kept (version 1, or
+    /// the store grew beyond the region's capacity).
+    pub cmask_len: u32,
 }
 
 impl SuperBlock {
@@ -52,7 +83,7 @@ impl SuperBlock {
     pub fn encode(&self) -> Vec<u8> {
         let mut p = vec![0u8; PAGE_SIZE];
         p[0..8].copy_from_slice(SIGNATURE);
-        put_u32(&mut p, 8, VERSION);
+        put_u32(&mut p, 8, self.version);
         put_u32(&mut p, 12, PAGE_SIZE as u32);
         put_u32(&mut p, 16, u32::from(self.clean));
         put_u64(&mut p, 160, self.last_txn);
@@ -69,6 +100,10 @@ impl SuperBlock {
         p[80] = n as u8;
         p[81..81 + n].copy_from_slice(&name[..n]);
         put_u64(&mut p, 152, self.first_data_cluster);
+        put_u32(&mut p, 168, self.pmask_start);
+        put_u32(&mut p, 172, self.pmask_len);
+        put_u32(&mut p, 176, self.cmask_start);
+        put_u32(&mut p, 180, self.cmask_len);
         let c = crc(&p[..PAGE_SIZE - 4]);
         put_u32(&mut p, PAGE_SIZE - 4, c);
         p
@@ -87,7 +122,7 @@ impl SuperBlock {
             return Err(LvolError::CorruptSuperblock("checksum mismatch".into()));
         }
         let version = get_u32(p, 8);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_1 {
             return Err(LvolError::UnsupportedVersion(version));
         }
         let bad = |m: String| Err(LvolError::CorruptSuperblock(m));
@@ -105,6 +140,7 @@ impl SuperBlock {
         let mut u = [0u8; 16];
         u.copy_from_slice(&p[64..80]);
         let sb = SuperBlock {
+            version,
             generation: get_u64(p, 40),
             cluster_size: get_u32(p, 20),
             block_size: get_u32(p, 24),
@@ -121,6 +157,10 @@ impl SuperBlock {
                 x => return bad(format!("clean flag {x}")),
             },
             last_txn: get_u64(p, 160),
+            pmask_start: get_u32(p, 168),
+            pmask_len: get_u32(p, 172),
+            cmask_start: get_u32(p, 176),
+            cmask_len: get_u32(p, 180),
         };
         sb.validate()?;
         Ok(Some(sb))
@@ -158,13 +198,121 @@ impl SuperBlock {
         if self.num_clusters > u64::from(u32::MAX) {
             return bad("too many clusters".into());
         }
+        self.validate_masks()
+    }
+
+    fn validate_masks(&self) -> Result<()> {
+        let bad = |m: String| Err(LvolError::CorruptSuperblock(m));
+        let regions = [
+            (self.pmask_start, self.pmask_len),
+            (self.cmask_start, self.cmask_len),
+        ];
+        if self.version == VERSION_1 {
+            if regions.iter().any(|&(s, l)| s != 0 || l != 0) {
+                return bad("version 1 super block with mask regions".into());
+            }
+            return Ok(());
+        }
+        if self.pmask_len == 0 && self.cmask_len != 0 {
+            return bad("cluster mask without metadata page mask".into());
+        }
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        for (s, l) in regions {
+            if l == 0 {
+                continue;
+            }
+            let (s, e) = (u64::from(s), u64::from(s) + u64::from(l));
+            if s < SLOTS || e > u64::from(self.md_start) {
+                return bad(format!(
+                    "mask region {s}..{e} outside pages {SLOTS}..{}",
+                    self.md_start
+                ));
+            }
+            if used.iter().any(|&(a, b)| s < b && a < e) {
+                return bad("overlapping mask regions".into());
+            }
+            used.push((s, e));
+        }
+        if self.pmask_len != 0 && mask_capacity(self.pmask_len) < u64::from(self.md_len) {
+            return bad(format!(
+                "metadata page mask of {} pages cannot hold {} pages",
+                self.pmask_len, self.md_len
+            ));
+        }
+        if self.cmask_len != 0 && mask_capacity(self.cmask_len) < self.num_clusters {
+            return bad(format!(
+                "cluster mask of {} pages cannot hold {} clusters",
+                self.cmask_len, self.num_clusters
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether a clean shutdown of this store writes (and a clean open may read) the masks.
+    pub fn has_masks(&self) -> bool {
+        self.version >= VERSION && self.pmask_len != 0
     }
 
     /// Slot the next write of this generation goes to.
     pub fn slot(&self) -> u64 {
         self.generation % SLOTS
     }
+}
+
+/// Encodes a mask region of `pages` pages: header (type, bit count, the generation of the super
+/// block written with it, CRC32C) followed by the bits (see `docs/FORMAT.md`, "Mask regions").
+pub fn encode_mask(kind: u8, generation: u64, bits: &Bitmap, pages: u32) -> Vec<u8> {
+    let mut r = vec![0u8; pages as usize * PAGE_SIZE];
+    let bytes = bits.to_bytes();
+    r[0] = kind;
+    put_u64(&mut r, 8, bits.len());
+    put_u64(&mut r, 16, generation);
+    r[MASK_HDR..MASK_HDR + bytes.len()].copy_from_slice(&bytes);
+    let c = mask_crc(&r);
+    put_u32(&mut r, 24, c);
+    r
+}
+
+/// CRC32C of a whole mask region, with its CRC field taken as zero.
+fn mask_crc(r: &[u8]) -> u32 {
+    let c = crc32c::crc32c(&r[..24]);
+    let c = crc32c::crc32c_append(c, &[0u8; 4]);
+    crc32c::crc32c_append(c, &r[28..])
+}
+
+/// Decodes a mask region written by [`encode_mask`], checking its type, its length of `bits`
+/// bits, its generation and its CRC. The error says what does not match.
+pub fn decode_mask(
+    r: &[u8],
+    kind: u8,
+    generation: u64,
+    bits: u64,
+) -> std::result::Result<Bitmap, String> {
+    if r.len() < MASK_HDR {
+        return Err("mask region too short".into());
+    }
+    if r[0] != kind {
+        return Err(format!("mask type {} (expected {kind})", r[0]));
+    }
+    let len = get_u64(r, 8);
+    if len != bits {
+        return Err(format!("mask of {len} bits (expected {bits})"));
+    }
+    let end = usize::try_from(bits.div_ceil(8))
+        .ok()
+        .and_then(|n| n.checked_add(MASK_HDR))
+        .filter(|&e| e <= r.len())
+        .ok_or_else(|| format!("mask of {bits} bits does not fit its region"))?;
+    if mask_crc(r) != get_u32(r, 24) {
+        return Err("mask checksum mismatch".into());
+    }
+    let g = get_u64(r, 16);
+    if g != generation {
+        return Err(format!(
+            "mask written with super block generation {g}, not {generation}"
+        ));
+    }
+    Bitmap::from_bytes(bits, &r[MASK_HDR..end]).ok_or_else(|| "bits set beyond the end".into())
 }
 
 /// Describes an SPDK blobstore super block (layout of SPDK's `struct spdk_bs_super_block`),
@@ -203,6 +351,7 @@ mod tests {
 
     fn sb() -> SuperBlock {
         SuperBlock {
+            version: VERSION,
             generation: 3,
             cluster_size: 1 << 20,
             block_size: 512,
@@ -215,6 +364,10 @@ mod tests {
             name: "lvs0".into(),
             clean: true,
             last_txn: 77,
+            pmask_start: 2,
+            pmask_len: 1,
+            cmask_start: 3,
+            cmask_len: 1,
         }
     }
 
@@ -230,5 +383,50 @@ mod tests {
         ));
         p[0] = b'X';
         assert!(SuperBlock::decode(&p).unwrap().is_none());
+    }
+
+    #[test]
+    fn mask_roundtrip_and_damage() {
+        let mut b = Bitmap::new(100);
+        b.set(3);
+        b.set(99);
+        let r = encode_mask(MASK_TYPE_CLUSTERS, 7, &b, 1);
+        assert_eq!(r.len(), PAGE_SIZE);
+        assert_eq!(decode_mask(&r, MASK_TYPE_CLUSTERS, 7, 100), Ok(b));
+        assert!(decode_mask(&r, MASK_TYPE_PAGES, 7, 100).is_err());
+        assert!(decode_mask(&r, MASK_TYPE_CLUSTERS, 8, 100).is_err());
+        assert!(decode_mask(&r, MASK_TYPE_CLUSTERS, 7, 101).is_err());
+        assert!(decode_mask(&r[..10], MASK_TYPE_CLUSTERS, 7, 100).is_err());
+        let mut bad = r.clone();
+        bad[MASK_HDR] ^= 1;
+        assert!(decode_mask(&bad, MASK_TYPE_CLUSTERS, 7, 100).is_err());
+        let mut big = r;
+        put_u64(&mut big, 8, u64::MAX);
+        assert!(decode_mask(&big, MASK_TYPE_CLUSTERS, 7, u64::MAX).is_err());
+    }
+
+    #[test]
+    fn version_1_and_mask_regions() {
+        let mut s = sb();
+        s.version = VERSION_1;
+        assert!(s.validate().is_err());
+        (s.pmask_start, s.pmask_len, s.cmask_start, s.cmask_len) = (0, 0, 0, 0);
+        assert_eq!(SuperBlock::decode(&s.encode()).unwrap(), Some(s.clone()));
+        assert!(!s.has_masks());
+        let mut s = sb();
+        assert!(s.has_masks());
+        s.cmask_start = 2;
+        assert!(s.validate().is_err(), "overlap");
+        let mut s = sb();
+        s.cmask_start = 4;
+        assert!(s.validate().is_err(), "inside the metadata region");
+        let mut s = sb();
+        s.num_clusters = mask_capacity(1) + 1;
+        s.size = s.num_clusters << 20;
+        assert!(s.validate().is_err(), "cluster mask too small");
+        s.cmask_len = 0;
+        s.validate().unwrap();
+        assert_eq!(mask_pages(mask_capacity(1)), 1);
+        assert_eq!(mask_pages(mask_capacity(1) + 1), 2);
     }
 }

@@ -221,6 +221,7 @@ fn workload_without_crash() {
     verify(&lvs, &m, "live");
     drop(lvs);
     let lvs = LvStore::open(dev.arc()).unwrap();
+    assert!(lvs.open_report().masks_used, "{:?}", lvs.open_report());
     verify(&lvs, &m, "reopen");
 }
 
@@ -244,6 +245,13 @@ fn crash_at_every_write() {
             let ctx = format!("crash after write {n}/{total} ({mode:?})");
             let dev2 = FaultDev::from_image(img);
             let lvs = LvStore::open(dev2.arc()).unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
+            let r = lvs.open_report();
+            // Dirty after a crash (masks ignored); clean (masks used) only when the device
+            // outlived the workload and the close.
+            assert!(
+                r.masks_used == r.clean && r.mask_fallback.is_none(),
+                "{ctx}: {r:?}"
+            );
             verify(&lvs, &m, &ctx);
             // Still usable, and a second open (after the scrub) sees the same.
             let v = lvs.create_lvol("after", CS, true).unwrap();
@@ -251,6 +259,8 @@ fn crash_at_every_write() {
             drop(v);
             drop(lvs);
             let lvs = LvStore::open(dev2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+            let r = lvs.open_report();
+            assert!(r.masks_used && r.mask_fallback.is_none(), "{ctx}: {r:?}");
             assert_eq!(
                 read(&*lvs.lvol("after").unwrap(), 0, BLK),
                 pattern(u64::MAX, BLK)
@@ -288,13 +298,37 @@ fn _unused(_: &dyn BlockDevice) {}
 
 #[derive(Debug, Clone)]
 enum COp {
-    Create { thin: bool, clusters: u64 },
-    Write { vol: usize, blk: usize, n: usize },
-    Flush { vol: usize },
-    Snapshot { vol: usize },
-    Clone { vol: usize },
-    Delete { vol: usize },
-    Resize { vol: usize, clusters: u64 },
+    Create {
+        thin: bool,
+        clusters: u64,
+    },
+    Write {
+        vol: usize,
+        blk: usize,
+        n: usize,
+    },
+    Flush {
+        vol: usize,
+    },
+    Snapshot {
+        vol: usize,
+    },
+    Clone {
+        vol: usize,
+    },
+    Delete {
+        vol: usize,
+    },
+    Resize {
+        vol: usize,
+        clusters: u64,
+    },
+    Discard {
+        vol: usize,
+        blk: usize,
+        n: usize,
+        whole: bool,
+    },
     Reopen,
 }
 
@@ -308,6 +342,8 @@ fn cop() -> impl proptest::strategy::Strategy<Value = COp> {
         2 => any::<usize>().prop_map(|vol| COp::Clone { vol }),
         2 => any::<usize>().prop_map(|vol| COp::Delete { vol }),
         1 => (any::<usize>(), 1u64..5).prop_map(|(vol, clusters)| COp::Resize { vol, clusters }),
+        2 => (any::<usize>(), any::<usize>(), 1usize..40, any::<bool>())
+            .prop_map(|(vol, blk, n, whole)| COp::Discard { vol, blk, n, whole }),
         1 => Just(COp::Reopen),
     ]
 }
@@ -427,6 +463,28 @@ fn random_workload(
                 v.blocks.truncate(nb);
                 v.sure_blocks = nb;
             }
+            COp::Discard { vol, blk, n, whole } => {
+                // Volumes without a parent only: discarded blocks then read as zeroes (released
+                // clusters, or the device's discard), or as before until a flush.
+                let Some(name) = pick(*vol) else { continue };
+                if rel.ro.contains(&name) || rel.parent.contains_key(&name) {
+                    continue;
+                }
+                let per = CS as usize / BLK;
+                let len = m.vols[&name].blocks.len();
+                let (mut blk, mut n) = (blk % len, (*n).min(len - blk % len));
+                if *whole {
+                    blk = blk / per * per;
+                    n = (n.div_ceil(per) * per).min(len - blk);
+                }
+                for b in &mut m.vols.get_mut(&name).unwrap().blocks[blk..blk + n] {
+                    b.push(0);
+                }
+                let vol = l.lvol(&name).map_err(|_| Stop)?;
+                let mut io = SyncIo::new(&*vol).map_err(|_| Stop)?;
+                io.discard((blk * BLK) as u64, (n * BLK) as u64)
+                    .map_err(|_| Stop)?;
+            }
             COp::Reopen => {
                 *lvs = None;
                 *lvs = Some(LvStore::open(dev.arc()).map_err(|_| Stop)?);
@@ -468,6 +526,8 @@ proptest::proptest! {
         verify(&lvs, &m, &ctx);
         drop(lvs);
         let lvs = LvStore::open(d2.arc()).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+        let r = lvs.open_report();
+        proptest::prop_assert!(r.masks_used && r.mask_fallback.is_none(), "{}: {:?}", ctx, r);
         verify(&lvs, &m, &ctx);
     }
 }

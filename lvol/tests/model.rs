@@ -17,16 +17,46 @@ const PER: usize = (CS as usize) / BLK;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Create { thin: bool, clusters: usize },
-    Write { vol: usize, blk: usize, n: usize },
-    Snapshot { vol: usize },
-    Clone { vol: usize },
-    Resize { vol: usize, clusters: usize },
-    Delete { vol: usize },
-    Inflate { vol: usize },
-    Decouple { vol: usize },
-    Rename { vol: usize },
-    ReadOnly { vol: usize },
+    Create {
+        thin: bool,
+        clusters: usize,
+    },
+    Write {
+        vol: usize,
+        blk: usize,
+        n: usize,
+    },
+    Snapshot {
+        vol: usize,
+    },
+    Clone {
+        vol: usize,
+    },
+    Resize {
+        vol: usize,
+        clusters: usize,
+    },
+    Delete {
+        vol: usize,
+    },
+    Inflate {
+        vol: usize,
+    },
+    Decouple {
+        vol: usize,
+    },
+    Rename {
+        vol: usize,
+    },
+    ReadOnly {
+        vol: usize,
+    },
+    Discard {
+        vol: usize,
+        blk: usize,
+        n: usize,
+        whole: bool,
+    },
     Reopen,
 }
 
@@ -42,6 +72,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|vol| Op::Decouple { vol }),
         1 => any::<usize>().prop_map(|vol| Op::Rename { vol }),
         1 => any::<usize>().prop_map(|vol| Op::ReadOnly { vol }),
+        2 => (any::<usize>(), any::<usize>(), 1usize..3 * PER, any::<bool>())
+            .prop_map(|(vol, blk, n, whole)| Op::Discard { vol, blk, n, whole }),
         1 => Just(Op::Reopen),
     ]
 }
@@ -230,9 +262,39 @@ impl Sim {
                 self.lvs().set_read_only(&name).unwrap();
                 self.vols.get_mut(&name).unwrap().ro = true;
             }
+            Op::Discard { vol, blk, n, whole } => {
+                // Only volumes without a parent: their discarded blocks read as zeroes whether
+                // the clusters are released (thin, whole clusters) or the device discards
+                // them (which the test device zeroes).
+                let Some(name) = self.pick(*vol) else { return };
+                let m = &self.vols[&name];
+                if m.parent.is_some() {
+                    return;
+                }
+                let len = m.blocks.len();
+                let (mut blk, mut n) = (blk % len, (*n).min(len - blk % len));
+                if *whole {
+                    blk = blk / PER * PER;
+                    n = n.div_ceil(PER) * PER;
+                    n = n.min(len - blk);
+                }
+                let v = self.lvs().lvol(&name).unwrap();
+                let mut io = SyncIo::new(&*v).unwrap();
+                let r = io.discard((blk * BLK) as u64, (n * BLK) as u64);
+                if m.ro {
+                    assert!(r.is_err(), "discard of read-only {name} succeeded");
+                    return;
+                }
+                r.unwrap();
+                let m = self.vols.get_mut(&name).unwrap();
+                m.blocks[blk..blk + n].fill(0);
+            }
             Op::Reopen => {
                 self.lvs = None;
                 self.lvs = Some(LvStore::open(self.dev.arc()).unwrap());
+                // A clean shutdown: the persisted masks must agree with the metadata.
+                let r = self.lvs().open_report();
+                assert!(r.masks_used && r.mask_fallback.is_none(), "{r:?}");
             }
         }
     }

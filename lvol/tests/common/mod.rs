@@ -305,6 +305,10 @@ pub fn write(dev: &dyn BlockDevice, off: u64, data: &[u8]) {
     io.write_at(off, data).unwrap();
 }
 
+/// Extra latency of reads on [`AsyncDev`] (each test runs in its own process under nextest;
+/// tests that set it must not run with others in one process).
+pub static READ_DELAY_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// A device whose requests complete later, on another thread, signalled through an eventfd
 /// (like an io_uring device).
 pub struct AsyncDev {
@@ -356,6 +360,10 @@ impl BlockDevice for AsyncDev {
             let mut out = Vec::new();
             while let Ok(j) = rx.recv() {
                 std::thread::sleep(Duration::from_micros(50));
+                let extra = READ_DELAY_US.load(std::sync::atomic::Ordering::SeqCst);
+                if j.op == IoOp::Read && extra > 0 {
+                    std::thread::sleep(Duration::from_micros(extra));
+                }
                 let iov: Vec<katablk_bdev::iovec> = j
                     .iov
                     .iter()
