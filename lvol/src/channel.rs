@@ -88,7 +88,7 @@ pub(crate) struct LvolChannel {
     backing_discard: bool,
     slots: Vec<Slot>,
     free: Vec<u32>,
-    done: VecDeque<Completion>,
+    done: Vec<Completion>,
     retry: VecDeque<Piece>,
     deferred: VecDeque<u32>,
     alloc_waits: usize,
@@ -182,7 +182,7 @@ impl LvolChannel {
             epfd,
             slots,
             free: (0..depth as u32).rev().collect(),
-            done: VecDeque::with_capacity(depth),
+            done: Vec::with_capacity(depth),
             retry: VecDeque::with_capacity(depth * 2),
             deferred: VecDeque::with_capacity(depth),
             alloc_waits: 0,
@@ -205,7 +205,7 @@ impl LvolChannel {
                 _ => 0,
             }),
         };
-        self.done.push_back(Completion {
+        self.done.push(Completion {
             token: slot.token,
             result,
         });
@@ -615,7 +615,7 @@ impl IoChannel for LvolChannel {
             }
         }
         let n = self.done.len();
-        out.extend(self.done.drain(..));
+        out.append(&mut self.done);
         n
     }
 

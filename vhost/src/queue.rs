@@ -517,6 +517,8 @@ impl Worker {
     fn take(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
         let mut took = false;
         let shared = self.shared.clone();
+        // The device's properties once per batch, not per request.
+        let info = shared.dev.info();
         loop {
             let q = &mut self.queues[i];
             let Some(&slot_idx) = q.free.last() else {
@@ -572,7 +574,7 @@ impl Worker {
             ) {
                 Ok(req) => {
                     slot.req = Some(req);
-                    self.dispatch(i, slot_idx, mem);
+                    self.dispatch(i, slot_idx, mem, &info);
                 }
                 Err(e) => {
                     debug!(queue = q.ctx.index, head, "bad request: {e}");
@@ -591,9 +593,14 @@ impl Worker {
     }
 
     /// Starts (or continues) the device work of a parsed request.
-    fn dispatch(&mut self, i: usize, slot_idx: u16, mem: &Arc<GuestMem>) {
+    fn dispatch(
+        &mut self,
+        i: usize,
+        slot_idx: u16,
+        mem: &Arc<GuestMem>,
+        info: &katablk_bdev::DeviceInfo,
+    ) {
         let shared = &self.shared;
-        let info = shared.dev.info();
         let q = &mut self.queues[i];
         let slot = &mut q.slots[usize::from(slot_idx)];
         let Some(req) = slot.req else {
@@ -692,7 +699,7 @@ impl Worker {
             Ok(false) => {
                 if slot.next_range < slot.ranges.len() {
                     // Zero-length range done inline; continue with the next one.
-                    self.dispatch(i, slot_idx, mem);
+                    self.dispatch(i, slot_idx, mem, &self.shared.dev.info());
                 } else {
                     self.complete(i, slot_idx, mem);
                 }
@@ -734,7 +741,7 @@ impl Worker {
                             let _ = q.chan.commit();
                         }
                     } else if slot.next_range < slot.ranges.len() {
-                        self.dispatch(i, slot_idx, mem);
+                        self.dispatch(i, slot_idx, mem, &self.shared.dev.info());
                         let _ = self.queues[i].chan.commit();
                     } else {
                         self.account(&req);
