@@ -460,14 +460,7 @@ async fn snapshot_clone_expand() {
     assert_eq!(by_id.entries.len(), 1);
 
     // Restore from the snapshot (bigger than it), and clone from the live volume.
-    let mut r = create_req("pvc-restore", 16 << 20);
-    r.volume_content_source = Some(csi::VolumeContentSource {
-        r#type: Some(csi::volume_content_source::Type::Snapshot(
-            csi::volume_content_source::SnapshotSource {
-                snapshot_id: snap.snapshot_id.clone(),
-            },
-        )),
-    });
+    let r = restore_req("pvc-restore", 16 << 20, &snap.snapshot_id);
     let restored = e
         .controller
         .create_volume(r)
@@ -866,14 +859,7 @@ async fn error_codes() {
     r.capacity_range.as_mut().unwrap().limit_bytes = 6 << 20;
     assert_eq!(code(c.create_volume(r).await), Code::OutOfRange);
     // NOT_FOUND
-    let mut r = create_req("pvc-e", 1);
-    r.volume_content_source = Some(csi::VolumeContentSource {
-        r#type: Some(csi::volume_content_source::Type::Snapshot(
-            csi::volume_content_source::SnapshotSource {
-                snapshot_id: "lvs0/nosnap".into(),
-            },
-        )),
-    });
+    let r = restore_req("pvc-e", 1, "lvs0/nosnap");
     assert_eq!(code(c.create_volume(r).await), Code::NotFound);
     assert_eq!(
         code(

@@ -221,14 +221,7 @@ async fn node_flow_on_spdk_vhost() {
         .snapshot
         .unwrap();
     assert!(snap.ready_to_use);
-    let mut r = create_req("pvc-spdk-restore", 20 << 20);
-    r.volume_content_source = Some(csi::VolumeContentSource {
-        r#type: Some(csi::volume_content_source::Type::Snapshot(
-            csi::volume_content_source::SnapshotSource {
-                snapshot_id: snap.snapshot_id.clone(),
-            },
-        )),
-    });
+    let r = restore_req("pvc-spdk-restore", 20 << 20, &snap.snapshot_id);
     let restored = e
         .controller
         .create_volume(r)

@@ -205,26 +205,19 @@ impl Shared {
     /// caller holds `vol`'s state read lock and saw the cluster unallocated, so the worker
     /// cannot have published it yet.
     pub(crate) fn request_alloc(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
-        let mut q = self.aq();
-        if q.closed {
-            return AllocReq::Closed;
-        }
-        let key = (vol.id, c);
-        match q.pending.get_mut(&key) {
-            Some(ws) => ws.push(w),
-            None => {
-                q.pending.insert(key, vec![w]);
-                q.queue.push((vol.clone(), c));
-                self.alloc_cv.notify_one();
-            }
-        }
-        AllocReq::Queued
+        self.request(vol, c, w, false)
     }
 
     /// Queues the release of logical cluster `c` of `vol` (a whole-cluster discard); the
     /// waiter is told when done. Requests for the same cluster share one entry, so a write
     /// that finds the cluster already unmapped waits for the release and then allocates anew.
     pub(crate) fn request_release(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
+        self.request(vol, c, w, true)
+    }
+
+    /// Adds `w` to the pending entry of (`vol`, `c`), queueing the work for the allocation
+    /// worker (a release or an allocation) when the entry is new.
+    fn request(&self, vol: &Arc<Lvol>, c: u64, w: Waiter, release: bool) -> AllocReq {
         let mut q = self.aq();
         if q.closed {
             return AllocReq::Closed;
@@ -234,7 +227,12 @@ impl Shared {
             Some(ws) => ws.push(w),
             None => {
                 q.pending.insert(key, vec![w]);
-                q.releases.push((vol.clone(), c));
+                let work = (vol.clone(), c);
+                if release {
+                    q.releases.push(work);
+                } else {
+                    q.queue.push(work);
+                }
                 self.alloc_cv.notify_one();
             }
         }

@@ -41,11 +41,6 @@ unsafe extern "C" fn app_started(ctx: *mut c_void) {
     let _ = ctx.ready.send(r);
 }
 
-/// Owned C strings referenced by `spdk_app_opts` for the duration of `spdk_app_start`.
-struct OptStrings {
-    _all: Vec<CString>,
-}
-
 fn cstring(s: &str) -> Result<CString, SpdkError> {
     CString::new(s).map_err(|_| SpdkError::InvalidName(s.to_string()))
 }
@@ -171,7 +166,8 @@ fn run_app(o: EnvOptions, ready: mpsc::SyncSender<Result<Thread, SpdkError>>) ->
         let _ = ready.send(Err(e));
         return -libc::EINVAL;
     }
-    let _keep = OptStrings { _all: strings };
+    // The C strings `opts` points to, kept alive until spdk_app_start returns.
+    let _keep = strings;
     let ctx = StartCtx { ready };
     // SAFETY: `opts` and the strings it points to, and `ctx`, live until spdk_app_start
     // returns; the callback only reads `ctx`.

@@ -630,26 +630,23 @@ unsafe fn submit_raw(
     // SAFETY: per the function's contract.
     unsafe {
         match op {
-            IoOp::Read => ffi::spdk_bdev_readv_blocks(
-                desc,
-                io_ch,
-                iov.as_mut_ptr().cast(),
-                iov.len() as i32,
-                offset_blocks,
-                num_blocks,
-                cb,
-                arg,
-            ),
-            IoOp::Write => ffi::spdk_bdev_writev_blocks(
-                desc,
-                io_ch,
-                iov.as_mut_ptr().cast(),
-                iov.len() as i32,
-                offset_blocks,
-                num_blocks,
-                cb,
-                arg,
-            ),
+            IoOp::Read | IoOp::Write => {
+                let f = if op == IoOp::Read {
+                    ffi::spdk_bdev_readv_blocks
+                } else {
+                    ffi::spdk_bdev_writev_blocks
+                };
+                f(
+                    desc,
+                    io_ch,
+                    iov.as_mut_ptr().cast(),
+                    iov.len() as i32,
+                    offset_blocks,
+                    num_blocks,
+                    cb,
+                    arg,
+                )
+            }
             IoOp::Flush => {
                 let n = ffi::spdk_bdev_get_num_blocks(ffi::spdk_bdev_desc_get_bdev(desc));
                 ffi::spdk_bdev_flush_blocks(desc, io_ch, 0, n, cb, arg)

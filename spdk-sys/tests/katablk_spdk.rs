@@ -44,6 +44,21 @@ mod with_spdk {
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     }
 
+    /// Deletes controller `name` once its client has gone (refused with -16 until then).
+    fn delete_when_idle(sock: &Path, name: &str) {
+        let t0 = Instant::now();
+        while !rpc(sock, &["vhost_delete_controller", name])
+            .status
+            .success()
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "controller {name} stayed busy"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn rpc_err(sock: &Path, args: &[&str]) -> String {
         let o = rpc(sock, args);
         assert!(!o.status.success(), "spdk-rpc {args:?} should fail");
@@ -412,18 +427,7 @@ mod with_spdk {
         let b = Blk::connect(&sock0);
         assert_eq!(b.capacity, 96 << 20);
         drop(b);
-        let t0 = Instant::now();
-        loop {
-            let o = rpc(s, &["vhost_delete_controller", "vhostblk0"]);
-            if o.status.success() {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "controller stayed busy"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        delete_when_idle(s, "vhostblk0");
         assert!(!sock0.exists(), "socket left behind");
         rpc_ok(s, &["vhost_delete_controller", "vro"]);
 
@@ -475,17 +479,7 @@ mod with_spdk {
             );
         }
         drop(b);
-        let t0 = Instant::now();
-        while !rpc(s, &["vhost_delete_controller", "vhostblk0"])
-            .status
-            .success()
-        {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "controller stayed busy"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        delete_when_idle(s, "vhostblk0");
         rpc_ok(s, &["bdev_lvol_delete", "lvs0/lvol0"]);
         sigterm(&mut d, dir.path());
     }

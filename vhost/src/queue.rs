@@ -230,16 +230,27 @@ struct Worker {
 }
 
 impl Worker {
-    /// One iteration under an external runtime; false once the worker has exited.
-    fn step(&mut self) -> bool {
+    /// The part of an iteration both modes share: apply pending commands, service every queue,
+    /// hand back drained stops. `None` when the worker must exit, else the memory snapshot used
+    /// and whether any queue made progress.
+    fn turn(&mut self) -> Option<(Arc<GuestMem>, bool)> {
         if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
-            return false;
+            return None;
         }
         let mem = self.mem.memory().into_inner();
+        let mut progress = false;
         for i in 0..self.queues.len() {
-            self.service(i, &mem);
+            progress |= self.service(i, &mem);
         }
         self.finish_stops();
+        Some((mem, progress))
+    }
+
+    /// One iteration under an external runtime; false once the worker has exited.
+    fn step(&mut self) -> bool {
+        let Some((mem, _)) = self.turn() else {
+            return false;
+        };
         if self.exiting && self.queues.iter().all(|q| q.chan.in_flight() == 0) {
             for i in 0..self.queues.len() {
                 self.reap(i, &mem);
@@ -257,15 +268,9 @@ impl Worker {
         let mut notify_on = true;
         let poll = self.shared.poll;
         loop {
-            if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
+            let Some((mem, progress)) = self.turn() else {
                 return;
-            }
-            let mut progress = false;
-            let mem = self.mem.memory().into_inner();
-            for i in 0..self.queues.len() {
-                progress |= self.service(i, &mem);
-            }
-            self.finish_stops();
+            };
             if progress {
                 last_busy = Instant::now();
                 if !poll.is_zero() && notify_on {

@@ -317,6 +317,19 @@ pub fn create_req(name: &str, bytes: i64) -> csi::CreateVolumeRequest {
     }
 }
 
+/// CreateVolume with a snapshot as its content source.
+pub fn restore_req(name: &str, bytes: i64, snapshot_id: &str) -> csi::CreateVolumeRequest {
+    let mut r = create_req(name, bytes);
+    r.volume_content_source = Some(csi::VolumeContentSource {
+        r#type: Some(csi::volume_content_source::Type::Snapshot(
+            csi::volume_content_source::SnapshotSource {
+                snapshot_id: snapshot_id.into(),
+            },
+        )),
+    });
+    r
+}
+
 pub fn publish_req(
     vol: &str,
     target: &Path,
