@@ -26,6 +26,8 @@ OUT=${OUT:-$ROOT/benches/results/$NAME}
 RUNTIME=${RUNTIME:-5}                            # measured seconds per run
 RAMP=${RAMP:-1}                                  # warm-up seconds per run (not measured)
 ROUNDS=${ROUNDS:-3}
+INTERLEAVE=${INTERLEAVE:-0}                      # 1: per workload and round, every case in turn
+                                                 # (order reversed every other round)
 IDLE_SECS=${IDLE_SECS:-3}                        # idle-CPU measurement per case and server (0: skip)
 CASES=${CASES:-"file ram"}                       # any of: file ram tmpfs null aio-file lvol-file
                                                  # malloc lvol-ram thin-first-write
@@ -466,7 +468,7 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "katablk-target: $KATABLK_TARGET ($([ -x "$KATABLK_TARGET" ] && echo present || echo absent))"
     echo "katablk-vhost: $KATABLK_VHOST ($([ -x "$KATABLK_VHOST" ] && echo present || echo absent))"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
@@ -479,64 +481,98 @@ log "results: $OUT"
 
 seq_no=0
 sock=$SOCK_DIR/vhost.sock
-for case in $CASES; do
-    case_wls=$WORKLOADS
-    case_ramp=$RAMP
-    if [ "$case" = thin-first-write ]; then
-        case_wls=$THIN_WORKLOADS
-        case_ramp=0 # measure from the first write: every cluster is still unallocated
-    fi
-    if [ "$IDLE_SECS" != 0 ] && [ "$case" != thin-first-write ]; then
-        for server in "${active[@]}"; do
-            server_has "$server" "$case" || continue
-            seq_no=$((seq_no + 1))
-            tag=$(printf '%03d-%s-idle-%s' "$seq_no" "$case" "$server")
-            start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-            run_bench --socket "$sock" --idle-cpu "$IDLE_SECS" --server-pid "$SERVER_PID" \
-                --numjobs 1 --no-progress --json "$OUT/raw/$tag.json" --label "$server $case idle" \
-                --meta case="$case" --meta server="$server" --meta workload=idle \
-                >"$OUT/logs/$tag.txt" 2>&1 || die "idle run failed: $(tail -3 "$OUT/logs/$tag.txt")"
+
+# measure_idle CASE: the idle-CPU runs of every server that has CASE.
+measure_idle() {
+    local case=$1 server tag
+    [ "$IDLE_SECS" != 0 ] && [ "$case" != thin-first-write ] || return 0
+    for server in "${active[@]}"; do
+        server_has "$server" "$case" || continue
+        seq_no=$((seq_no + 1))
+        tag=$(printf '%03d-%s-idle-%s' "$seq_no" "$case" "$server")
+        start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
+        run_bench --socket "$sock" --idle-cpu "$IDLE_SECS" --server-pid "$SERVER_PID" \
+            --numjobs 1 --no-progress --json "$OUT/raw/$tag.json" --label "$server $case idle" \
+            --meta case="$case" --meta server="$server" --meta workload=idle \
+            >"$OUT/logs/$tag.txt" 2>&1 || die "idle run failed: $(tail -3 "$OUT/logs/$tag.txt")"
+        stop_server
+        log "$case idle $server: $(grep -o 'server pid.*' "$OUT/logs/$tag.txt")"
+    done
+}
+
+# measure CASE WORKLOAD ROUND: one run of WORKLOAD on CASE per server, each on a fresh server.
+measure() {
+    local case=$1 wl=$2 round=$3 server tag case_ramp=$RAMP alloc
+    local -a wargs
+    [ "$case" = thin-first-write ] && case_ramp=0 # from the first write: every cluster is new
+    read -r -a wargs <<<"$(workload_args "$wl")"
+    for server in "${active[@]}"; do
+        server_has "$server" "$case" || continue
+        seq_no=$((seq_no + 1))
+        tag=$(printf '%03d-%s-%s-%s-r%d' "$seq_no" "$case" "$wl" "$server" "$round")
+        start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
+        prefill_run "$server" "$case" "$wl" "$tag"
+        if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
+            --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
+            --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
+            --meta case="$case" --meta workload="$wl" --meta server="$server" \
+            --meta round="$round" >"$OUT/logs/$tag.txt" 2>&1; then
+            log "FAILED: $tag: $(tail -3 "$OUT/logs/$tag.txt")"
+            log "server log: $(tail -3 "$OUT/logs/$tag.server.log")"
             stop_server
-            log "$case idle $server: $(grep -o 'server pid.*' "$OUT/logs/$tag.txt")"
-        done
-    fi
-    for wl in $case_wls; do
-        read -r -a wargs <<<"$(workload_args "$wl")"
-        for round in $(seq 1 "$ROUNDS"); do
-            for server in "${active[@]}"; do
-                server_has "$server" "$case" || continue
-                seq_no=$((seq_no + 1))
-                tag=$(printf '%03d-%s-%s-%s-r%d' "$seq_no" "$case" "$wl" "$server" "$round")
-                start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-                prefill_run "$server" "$case" "$wl" "$tag"
-                if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
-                    --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
-                    --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
-                    --meta case="$case" --meta workload="$wl" --meta server="$server" \
-                    --meta round="$round" >"$OUT/logs/$tag.txt" 2>&1; then
-                    log "FAILED: $tag: $(tail -3 "$OUT/logs/$tag.txt")"
-                    log "server log: $(tail -3 "$OUT/logs/$tag.server.log")"
-                    stop_server
-                    continue
-                fi
-                if [ "$case" = thin-first-write ]; then
-                    # record how many clusters the run allocated (the summary divides by writes)
-                    alloc=$(trpc "$TARGET_RPC" bdev_lvol_get_lvols '{"lvs_name": "lvs_thin"}' |
-                        awk '/"num_allocated_clusters"/ { gsub(/[^0-9]/, "", $2); print $2 + 0; exit }')
-                    python3 - "$OUT/raw/$tag.json" "${alloc:-0}" <<'PY'
+            continue
+        fi
+        if [ "$case" = thin-first-write ]; then
+            # record how many clusters the run allocated (the summary divides by writes)
+            alloc=$(trpc "$TARGET_RPC" bdev_lvol_get_lvols '{"lvs_name": "lvs_thin"}' |
+                awk '/"num_allocated_clusters"/ { gsub(/[^0-9]/, "", $2); print $2 + 0; exit }')
+            python3 - "$OUT/raw/$tag.json" "${alloc:-0}" <<'PY'
 import json, sys
 p, n = sys.argv[1], sys.argv[2]
 r = json.load(open(p))
 r["params"]["meta"]["allocated_clusters"] = n
 json.dump(r, open(p, "w"), indent=2)
 PY
-                fi
-                stop_server
-                log "$case $wl $server r$round: $(brief "$OUT/logs/$tag.txt")"
-            done
+        fi
+        stop_server
+        log "$case $wl $server r$round: $(brief "$OUT/logs/$tag.txt")"
+    done
+}
+
+if [ "$INTERLEAVE" = 1 ]; then
+    # Workload by workload and round by round, every case once per round, the case order
+    # reversed in every other round (A B, B A, ...): each round's cases ran minutes apart at
+    # most, so the summary's paired ratios (per round) cancel slow drifts of the machine.
+    main_cases=() last_cases=()
+    for case in $CASES; do
+        measure_idle "$case"
+        if [ "$case" = thin-first-write ]; then last_cases+=("$case"); else main_cases+=("$case"); fi
+    done
+    for wl in $WORKLOADS; do
+        for round in $(seq 1 "$ROUNDS"); do
+            order=("${main_cases[@]}")
+            if [ $((round % 2)) = 0 ]; then
+                order=()
+                for ((i = ${#main_cases[@]} - 1; i >= 0; i--)); do order+=("${main_cases[i]}"); done
+            fi
+            for case in "${order[@]}"; do measure "$case" "$wl" "$round"; done
         done
     done
-done
+    for case in "${last_cases[@]+"${last_cases[@]}"}"; do
+        for wl in $THIN_WORKLOADS; do
+            for round in $(seq 1 "$ROUNDS"); do measure "$case" "$wl" "$round"; done
+        done
+    done
+else
+    for case in $CASES; do
+        measure_idle "$case"
+        case_wls=$WORKLOADS
+        [ "$case" = thin-first-write ] && case_wls=$THIN_WORKLOADS
+        for wl in $case_wls; do
+            for round in $(seq 1 "$ROUNDS"); do measure "$case" "$wl" "$round"; done
+        done
+    done
+fi
 
 note_args=()
 for n in "${NOTES[@]+"${NOTES[@]}"}"; do note_args+=(--note "$n"); done

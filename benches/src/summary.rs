@@ -101,6 +101,26 @@ pub const LVOL_SERVERS: &[&str] = &["target"];
 /// Goal: a thick lvol reaches at least this share of its raw device's IOPS.
 pub const LVOL_GOAL: f64 = 0.95;
 
+/// Paired rounds needed before the goal is judged on the paired ratio.
+pub const MIN_PAIRS: usize = 3;
+
+/// Median of the per-round ratios `a[i] / b[i]` (equal lengths ≥ 2, positive denominators).
+fn paired_median(a: &[f64], b: &[f64]) -> Option<f64> {
+    if a.len() != b.len() || a.len() < 2 {
+        return None;
+    }
+    let v: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .filter(|(_, &y)| y > 0.0)
+        .map(|(&x, &y)| x / y)
+        .collect();
+    if v.len() != a.len() {
+        return None;
+    }
+    median(&v)
+}
+
 /// An lvol case divided by its raw case, same server and workload. IOPS above 1 is better
 /// for the lvol.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -121,7 +141,17 @@ pub struct LvolRatio {
     pub lat_p99: Option<f64>,
     /// Server CPU per I/O ratio.
     pub server_cpu_per_io: Option<f64>,
-    /// Whether `iops` ≥ [`LVOL_GOAL`] (thick lvol cases only).
+    /// Median over rounds of the per-round IOPS ratio (round *i* of the lvol case over
+    /// round *i* of the raw case), when both cases have the same number of rounds, at least
+    /// two. With `INTERLEAVE=1` a round's two runs are adjacent in time, so this ratio is
+    /// not moved by slow drifts of the machine that the ratio of medians picks up.
+    #[serde(default)]
+    pub iops_paired: Option<f64>,
+    /// Number of rounds paired for `iops_paired`.
+    #[serde(default)]
+    pub pairs: usize,
+    /// Whether the IOPS ratio ≥ [`LVOL_GOAL`] (thick lvol cases only): `iops_paired` when
+    /// at least [`MIN_PAIRS`] rounds were paired, else `iops`.
     pub within_goal: Option<bool>,
     /// The same IOPS ratio of a server that serves the same backend in both cases (e.g.
     /// katablk-vhost's `--file` in lvol-file and aio-file): an A/A estimate of the noise
@@ -328,6 +358,17 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                     continue;
                 };
                 let iops = ratio(l.iops, b.iops);
+                let iops_paired = paired_median(&l.iops_rounds, &b.iops_rounds);
+                let pairs = if iops_paired.is_some() {
+                    l.iops_rounds.len()
+                } else {
+                    0
+                };
+                let judged = if pairs >= MIN_PAIRS {
+                    iops_paired
+                } else {
+                    iops
+                };
                 let control = if lcase.starts_with("lvol-") {
                     servers
                         .iter()
@@ -348,11 +389,13 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                     raw_case: b.case.clone(),
                     workload: workload.clone(),
                     iops,
+                    iops_paired,
+                    pairs,
                     lat_p50: ratio(l.lat_p50_us, b.lat_p50_us),
                     lat_p99: ratio(l.lat_p99_us, b.lat_p99_us),
                     server_cpu_per_io: opt_ratio(l.server_cpu_us_per_io, b.server_cpu_us_per_io),
                     within_goal: if lcase.starts_with("lvol-") {
-                        iops.map(|x| x >= LVOL_GOAL)
+                        judged.map(|x| x >= LVOL_GOAL)
                     } else {
                         None
                     },
@@ -493,16 +536,18 @@ impl Summary {
                 o,
                 "Goal: a thick lvol within 5 % of its raw backing device (IOPS ratio ≥ {LVOL_GOAL:.2}), \
                  notably at 4 KiB QD32. thin-first-write / lvol-file compares writes to a fresh thin \
-                 lvol (allocating) with the thick lvol. The two cases ran minutes apart, not \
-                 alternated. The last column is the same ratio for a server that serves the same \
-                 backend in both cases (katablk-vhost, QSD): far from 1.000 means the machine \
-                 changed between the cases and the lvol ratio is not trustworthy.\n"
+                 lvol (allocating) with the thick lvol. IOPS is the ratio of the medians; paired is \
+                 the median of the per-round ratios (round i over round i; with INTERLEAVE=1 the two \
+                 runs of a round are adjacent in time), and the goal is judged on it from \
+                 {MIN_PAIRS} rounds on. The last column is the same ratio for a server that serves \
+                 the same backend in both cases (katablk-vhost, QSD): far from 1.000 means the \
+                 machine changed between the cases and the lvol ratio is not trustworthy.\n"
             );
             let _ = writeln!(
                 o,
-                "| server | lvol case | raw case | workload | IOPS | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
+                "| server | lvol case | raw case | workload | IOPS | IOPS paired (rounds) | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
             );
-            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---|---:|");
+            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|");
             for l in &self.lvol_ratios {
                 let goal = match l.within_goal {
                     Some(true) => "met",
@@ -511,12 +556,16 @@ impl Summary {
                 };
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
                     l.server,
                     l.case,
                     l.raw_case,
                     l.workload,
                     fmt_opt(l.iops, 3),
+                    match l.iops_paired {
+                        Some(x) => format!("{x:.3} ({})", l.pairs),
+                        None => String::new(),
+                    },
                     fmt_opt(l.lat_p50, 2),
                     fmt_opt(l.lat_p99, 2),
                     fmt_opt(l.server_cpu_per_io, 2),
@@ -770,6 +819,33 @@ mod tests {
         );
         assert!(md.contains("**missed**"), "{md}");
         assert!(md.contains("50.00 %"), "{md}");
+    }
+
+    #[test]
+    fn paired_ratio_cancels_drift_and_judges_the_goal() {
+        // The machine slows down round by round; each round's lvol run is 4 % below the raw
+        // run next to it. Medians of each case mix rounds; the paired ratio does not.
+        let raw = [100.0, 80.0, 60.0];
+        let lvol = [96.0, 76.8, 57.6];
+        let mut rs = Vec::new();
+        for i in 0..3 {
+            rs.push(report("aio-file", "rw", "target", raw[i], 100, 1.0));
+            rs.push(report("lvol-file", "rw", "target", lvol[i], 100, 1.0));
+        }
+        let s = build("t", &rs, "qsd", "katablk");
+        let f = &s.lvol_ratios[0];
+        assert_eq!(f.pairs, 3);
+        assert!((f.iops_paired.unwrap() - 0.96).abs() < 1e-9);
+        assert_eq!(f.within_goal, Some(true));
+        assert!(s.to_markdown().contains("0.960 (3)"));
+        // Two pairs: reported, but the goal is judged on the ratio of medians.
+        let s2 = build("t", &rs[..4], "qsd", "katablk");
+        assert_eq!(s2.lvol_ratios[0].pairs, 2);
+        assert_eq!(s2.lvol_ratios[0].within_goal, Some(true));
+        // Unequal round counts: no pairing.
+        let s3 = build("t", &rs[..5], "qsd", "katablk");
+        assert_eq!(s3.lvol_ratios[0].iops_paired, None);
+        assert_eq!(paired_median(&[1.0, 2.0], &[1.0, 0.0]), None);
     }
 
     #[test]

@@ -456,6 +456,33 @@ impl LvolChannel {
         self.dispatch_piece(&st, &vol, s, op, c, off, end - off, false);
     }
 
+    /// Where a read or write that lies within one cluster goes on the backing device, when
+    /// that needs no allocation, release or zero-fill: (device offset, count bucket).
+    fn direct_map(&self, st: &VolState, req: &IoRequest<'_>) -> Option<(u64, u8)> {
+        if st.deleted || req.len == 0 {
+            return None;
+        }
+        let c = req.offset / self.cs;
+        if (req.offset + req.len - 1) / self.cs != c {
+            return None;
+        }
+        let own = *st.map.get(c as usize)?;
+        let phys = match req.op {
+            IoOp::Read => Lvol::resolve(st, c)?,
+            IoOp::Write if own != 0 => own,
+            _ => return None,
+        };
+        let bucket = if st.thin && phys == own {
+            self.vol.count()
+        } else {
+            NOT_COUNTED
+        };
+        Some((
+            u64::from(phys) * self.cs + (req.offset - c * self.cs),
+            bucket,
+        ))
+    }
+
     fn progress(&mut self) -> bool {
         let mut moved = false;
         self.bdone.clear();
@@ -538,42 +565,37 @@ impl LvolChannel {
 impl IoChannel for LvolChannel {
     unsafe fn submit(&mut self, req: &IoRequest<'_>) -> Result<(), SubmitError> {
         let bs = self.block_size;
-        match req.op {
-            IoOp::Flush => {}
-            op => {
-                if req.offset % bs != 0 || req.len % bs != 0 {
-                    return Err(SubmitError::Misaligned {
-                        offset: req.offset,
-                        len: req.len,
-                    });
+        let st = self.vol.st();
+        if req.op != IoOp::Flush {
+            if req.offset % bs != 0 || req.len % bs != 0 {
+                return Err(SubmitError::Misaligned {
+                    offset: req.offset,
+                    len: req.len,
+                });
+            }
+            let size = st.map.len() as u64 * self.cs;
+            if req.op.is_write() && st.read_only {
+                return Err(SubmitError::ReadOnly);
+            }
+            if req.offset.checked_add(req.len).is_none_or(|e| e > size) {
+                return Err(SubmitError::OutOfRange {
+                    offset: req.offset,
+                    len: req.len,
+                    size,
+                });
+            }
+            if matches!(req.op, IoOp::Read | IoOp::Write) {
+                let total = req
+                    .iov
+                    .iter()
+                    .try_fold(0u64, |a, v| a.checked_add(v.iov_len as u64));
+                if req.iov.is_empty() || req.iov.len() > self.max_segments || total != Some(req.len)
+                {
+                    return Err(SubmitError::BadBuffers);
                 }
-                let st = self.vol.st();
-                let size = st.map.len() as u64 * self.cs;
-                if op.is_write() && st.read_only {
-                    return Err(SubmitError::ReadOnly);
-                }
-                if req.offset.checked_add(req.len).is_none_or(|e| e > size) {
-                    return Err(SubmitError::OutOfRange {
-                        offset: req.offset,
-                        len: req.len,
-                        size,
-                    });
-                }
-                if matches!(op, IoOp::Read | IoOp::Write) {
-                    let total = req
-                        .iov
-                        .iter()
-                        .try_fold(0u64, |a, v| a.checked_add(v.iov_len as u64));
-                    if req.iov.is_empty()
-                        || req.iov.len() > self.max_segments
-                        || total != Some(req.len)
-                    {
-                        return Err(SubmitError::BadBuffers);
-                    }
-                }
-                if matches!(op, IoOp::WriteZeroes { .. }) && !self.backing_wz {
-                    return Err(SubmitError::Unsupported);
-                }
+            }
+            if matches!(req.op, IoOp::WriteZeroes { .. }) && !self.backing_wz {
+                return Err(SubmitError::Unsupported);
             }
         }
         // Finished slots are recycled at once, but their completions count until polled.
@@ -590,16 +612,57 @@ impl IoChannel for LvolChannel {
             sl.offset = req.offset;
             sl.len = req.len;
             sl.iov.clear();
-            sl.iov.extend_from_slice(req.iov);
             sl.err = None;
             sl.outstanding = 0;
         }
         self.vol.inflight.fetch_add(1, Ordering::SeqCst);
         if self.vol.frozen.load(Ordering::SeqCst) != 0 {
             self.vol.inflight.fetch_sub(1, Ordering::SeqCst);
+            self.slots[s as usize].iov.extend_from_slice(req.iov);
             self.deferred.push_back(s);
             return Ok(());
         }
+        // Fast path: a read or write within one mapped cluster goes to the backing channel
+        // with the caller's iovecs as they are (no copy into the slot, no slicing).
+        if let Some((dev_off, bucket)) = self.direct_map(&st, req) {
+            self.slots[s as usize].outstanding = 1;
+            let breq = IoRequest {
+                op: req.op,
+                offset: dev_off,
+                len: req.len,
+                iov: req.iov,
+                token: u64::from(s) | (u64::from(bucket) << 32),
+            };
+            // SAFETY: the caller's buffers, valid until we return this slot's completion,
+            // which happens only after the backing channel completed the request.
+            let r = unsafe { self.backing.submit(&breq) };
+            drop(st);
+            match r {
+                Ok(()) => {}
+                Err(SubmitError::Full) => {
+                    // Kept for a retry from `poll`, which slices the slot's own iovecs.
+                    self.slots[s as usize].iov.extend_from_slice(req.iov);
+                    self.retry.push_back(Piece {
+                        slot: s,
+                        off: req.offset,
+                        len: req.len,
+                        dev_off,
+                        op: req.op,
+                        bucket,
+                    });
+                }
+                Err(e) => {
+                    self.vol.uncount(bucket);
+                    let sl = &mut self.slots[s as usize];
+                    sl.outstanding = 0;
+                    sl.err = Some(e.into());
+                    self.maybe_finish(s);
+                }
+            }
+            return Ok(());
+        }
+        drop(st);
+        self.slots[s as usize].iov.extend_from_slice(req.iov);
         self.start(s);
         Ok(())
     }
