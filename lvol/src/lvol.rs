@@ -153,22 +153,21 @@ impl Lvol {
         }
     }
 
-    /// Starts a new epoch (after clusters were unmapped) and waits, up to `timeout`, until
-    /// every counted request issued in the previous one has completed.
-    pub(crate) fn drain_epoch(&self, timeout: Duration) -> bool {
-        let old = self.io_epoch.fetch_add(1, Ordering::SeqCst);
-        let bucket = &self.io_count[(old & 1) as usize];
-        let start = Instant::now();
-        while bucket.load(Ordering::SeqCst) != 0 {
-            if start.elapsed() > timeout {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
-        true
+    /// Starts a new epoch (after clusters were unmapped); returns the bucket that counts the
+    /// requests issued in the previous one. Once [`Lvol::bucket_idle`] says it is empty, no
+    /// request issued before the unmap is still running. One drain per volume at a time: the
+    /// next epoch would count into the same bucket.
+    pub(crate) fn begin_drain(&self) -> u8 {
+        (self.io_epoch.fetch_add(1, Ordering::SeqCst) & 1) as u8
     }
 
-    /// Whether an ancestor (parent snapshot, its parent, ...) has data in logical cluster `c`.
+    /// Whether every request counted in `bucket` has completed.
+    pub(crate) fn bucket_idle(&self, bucket: u8) -> bool {
+        self.io_count
+            .get(bucket as usize)
+            .is_none_or(|c| c.load(Ordering::SeqCst) == 0)
+    }
+
     pub(crate) fn ancestor_has(st: &VolState, c: u64) -> bool {
         let mut p = st.parent.clone();
         while let Some(v) = p {

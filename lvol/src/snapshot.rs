@@ -111,13 +111,16 @@ impl LvStore {
             .collect()
     }
 
-    /// Inflate / decouple in chunks: each chunk of clusters is filled and committed (the
-    /// parent link stays until the end, so every intermediate state is a valid volume) and
-    /// the metadata lock is released between chunks, so first writes elsewhere are not stalled
-    /// for the whole copy.
+    /// Inflate / decouple in chunks: the clusters to fill are listed once, and each chunk of
+    /// them is filled and committed (the parent link stays until the end, so every
+    /// intermediate state is a valid volume) with the metadata lock released between chunks,
+    /// so first writes elsewhere are not stalled for the whole copy. A last pass under one
+    /// lock hold fills whatever is missing by then (clusters released by discards meanwhile,
+    /// or added by a resize) and detaches the volume in the same transaction, so concurrent
+    /// discards cannot keep the operation going.
     fn copy_up(&self, key: &str, all: bool) -> Result<()> {
         const CHUNK: usize = 16;
-        let id = {
+        let (id, listed) = {
             let st = self.shared.md();
             st.check_ok_pub()?;
             let id = st.find(key)?;
@@ -128,73 +131,97 @@ impl LvStore {
             if !all && b.parent.is_none() {
                 return Err(LvolError::Invalid(format!("{} has no parent", b.name)));
             }
-            let needed = Self::copy_work(&st, b, all).len() as u64;
+            let work = Self::copy_work(&st, b, all);
+            let needed = work.len() as u64;
             if needed > st.free_clusters() {
                 return Err(LvolError::NoSpace {
                     needed,
                     free: st.free_clusters(),
                 });
             }
-            id
+            (id, work.into_iter().map(|(c, _)| c).collect::<Vec<usize>>())
         };
-        loop {
+        for chunk in listed.chunks(CHUNK) {
             let mut st = self.shared.md();
             st.check_ok_pub()?;
-            let mut b = st.blob(id)?.clone();
+            let b = st.blob(id)?;
             if b.read_only {
-                return Err(LvolError::ReadOnly(b.name));
+                return Err(LvolError::ReadOnly(b.name.clone()));
             }
-            let work: Vec<(usize, Option<u32>)> = Self::copy_work(&st, &b, all)
-                .into_iter()
-                .take(CHUNK)
+            let work: Vec<(usize, Option<u32>)> = chunk
+                .iter()
+                .filter(|&&c| b.clusters.get(c) == Some(&0))
+                .map(|&c| (c, st.ancestor_cluster(b.parent, c as u64)))
+                .filter(|(_, src)| all || src.is_some())
                 .collect();
             if work.is_empty() {
-                if b.parent.is_some() || (all && b.thin) {
-                    b.parent = None;
-                    if all {
-                        b.thin = false;
-                    }
-                    st.commit(vec![b], &[])?;
-                    st.publish(id);
-                }
-                return Ok(());
+                continue;
             }
-            let mut taken = Vec::new();
-            let mut r = Ok(());
-            for &(c, src) in &work {
-                let hint = c
-                    .checked_sub(1)
-                    .map(|p| b.clusters[p])
-                    .filter(|&x| x != 0)
-                    .map(|x| u64::from(x) + 1);
-                let p = match st.alloc_cluster(hint) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        r = Err(e);
-                        break;
-                    }
-                };
-                taken.push(p);
-                if let Err(e) = st.fill_cluster(p, src) {
+            let b = b.clone();
+            Self::fill_and_commit(&mut st, b, &work)?;
+            st.publish(id);
+        }
+        let mut st = self.shared.md();
+        st.check_ok_pub()?;
+        let mut b = st.blob(id)?.clone();
+        if b.read_only {
+            return Err(LvolError::ReadOnly(b.name));
+        }
+        let work = Self::copy_work(&st, &b, all);
+        if work.is_empty() && b.parent.is_none() && !(all && b.thin) {
+            return Ok(());
+        }
+        b.parent = None;
+        if all {
+            b.thin = false;
+        }
+        Self::fill_and_commit(&mut st, b, &work)?;
+        st.publish(id);
+        Ok(())
+    }
+
+    /// Allocates and fills a cluster of `b` for each `(cluster, source)` of `work`, then
+    /// commits `b`. On error the new clusters are given back and nothing is committed.
+    fn fill_and_commit(
+        st: &mut crate::store::MdState,
+        mut b: BlobMd,
+        work: &[(usize, Option<u32>)],
+    ) -> Result<()> {
+        let mut taken = Vec::new();
+        let mut r = Ok(());
+        for &(c, src) in work {
+            let hint = c
+                .checked_sub(1)
+                .map(|p| b.clusters[p])
+                .filter(|&x| x != 0)
+                .map(|x| u64::from(x) + 1);
+            let p = match st.alloc_cluster(hint) {
+                Ok(p) => p,
+                Err(e) => {
                     r = Err(e);
                     break;
                 }
-                b.clusters[c] = p;
+            };
+            taken.push(p);
+            if let Err(e) = st.fill_cluster(p, src) {
+                r = Err(e);
+                break;
             }
-            if r.is_ok() {
-                r = st.flush();
-            }
-            if r.is_ok() {
-                r = st.commit(vec![b], &[]);
-            }
-            if let Err(e) = r {
-                for p in taken {
-                    st.clusters_mut().clear(u64::from(p));
-                }
-                return Err(e);
-            }
-            st.publish(id);
+            b.clusters[c] = p;
         }
+        if r.is_ok() && !work.is_empty() {
+            r = st.flush();
+        }
+        if r.is_ok() {
+            r = st.commit(vec![b], &[]);
+        }
+        if let Err(e) = r {
+            for p in taken {
+                st.clusters_mut().clear(u64::from(p));
+            }
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Deletes a volume. A snapshot with one clone is merged into the clone (the clone takes

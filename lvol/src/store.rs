@@ -137,6 +137,8 @@ pub(crate) struct Shared {
     pub(crate) alloc_cv: Condvar,
     pub(crate) closed: AtomicBool,
     pub(crate) allocations: AtomicU64,
+    /// Clusters unmapped by committed releases whose earlier I/O is still draining.
+    pub(crate) releasing: AtomicU64,
 }
 
 pub(crate) struct MdState {
@@ -888,6 +890,7 @@ impl LvStore {
             alloc_cv: Condvar::new(),
             closed: AtomicBool::new(false),
             allocations: AtomicU64::new(0),
+            releasing: AtomicU64::new(0),
         })
     }
 
@@ -1325,6 +1328,27 @@ impl LvStore {
     /// Number of cluster allocations done by the write path since open (for tests).
     pub fn allocations(&self) -> u64 {
         self.shared.allocations.load(Ordering::Relaxed)
+    }
+
+    /// Clusters released by discards that are no longer in any volume but not free yet:
+    /// requests issued to them before the discard are still running. They become free (or,
+    /// if those requests never finish, stay in use until the store is reopened) without
+    /// anything else waiting for them.
+    pub fn releasing_clusters(&self) -> u64 {
+        self.shared.releasing.load(Ordering::SeqCst)
+    }
+
+    /// Waits until no released cluster is waiting for earlier requests (at most `timeout`);
+    /// true if none is.
+    pub fn settle_releases(&self, timeout: std::time::Duration) -> bool {
+        let start = std::time::Instant::now();
+        while self.releasing_clusters() != 0 {
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        true
     }
 }
 
