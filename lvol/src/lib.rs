@@ -44,14 +44,17 @@ mod alloc;
 mod channel;
 pub mod cluster_map;
 mod error;
+mod import;
 mod lvol;
 pub mod md;
 mod recover;
 mod snapshot;
+pub mod spdk;
 mod store;
 pub mod superblock;
 
 pub use error::{LvolError, Result};
+pub use import::ImportReport;
 pub use lvol::{Lvol, LvolInfo};
 pub use md::ClearMethod;
 pub use recover::OpenReport;

@@ -1,0 +1,269 @@
+//! An lvstore written by a real SPDK (v26.09-pre, `scripts/spdk-lvstore-fixture.sh`: its
+//! vhost app and rpc.py made the store, volumes, snapshot and clone, spdk_dd wrote the data)
+//! is read by `katablk_lvol::spdk` and imported into a katablk store.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Read;
+use std::sync::Arc;
+
+use katablk_bdev::malloc::MallocDevice;
+use katablk_bdev::sync::SyncIo;
+use katablk_bdev::BlockDevice;
+use katablk_lvol::spdk::{is_spdk_blobstore, SpdkLvstore};
+use katablk_lvol::{LvStore, LvolError};
+use proptest::prelude::*;
+
+const MIB: u64 = 1 << 20;
+
+fn image() -> Vec<u8> {
+    let gz = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/spdk-lvstore.img.gz"
+    ))
+    .unwrap();
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+fn spdk_json() -> serde_json::Value {
+    let s = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/spdk-lvstore.json"
+    ))
+    .unwrap();
+    serde_json::from_str(&s).unwrap()
+}
+
+/// A RAM device holding `bytes`.
+fn device(bytes: &[u8]) -> Arc<dyn BlockDevice> {
+    let dev = MallocDevice::new(bytes.len() as u64 / 512, 512).unwrap();
+    let mut io = SyncIo::new(&dev).unwrap();
+    io.write_at(0, bytes).unwrap();
+    Arc::new(dev)
+}
+
+/// The fixture script's pattern: one text line per 4 KiB block, naming the tag and the
+/// block's index in the volume, repeated to fill the block.
+fn pattern(tag: &str, off: u64, len: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len as usize);
+    let mut b = off;
+    while b < off + len {
+        let line = format!("katablk spdk fixture {tag} block {}\n", b / 4096);
+        let block: Vec<u8> = line.bytes().cycle().take(4096).collect();
+        out.extend_from_slice(&block);
+        b += 4096;
+    }
+    out
+}
+
+/// Pattern runs of a volume: (offset, tag, len).
+type Parts = Vec<(u64, &'static str, u64)>;
+
+/// Expected content of each volume: (name, size, pattern runs); the rest is zero.
+fn expected() -> Vec<(&'static str, u64, Parts)> {
+    let snap = vec![(0, "B", MIB), (5 * MIB + 256 * 1024, "B", 512 * 1024)];
+    let mut thin = snap.clone();
+    thin.push((0, "C", 64 * 1024));
+    let mut clone = snap.clone();
+    clone.push((7 * MIB, "D", MIB));
+    vec![
+        ("thick", 4 * MIB, vec![(0, "A", 2 * MIB)]),
+        ("snap", 8 * MIB, snap),
+        ("thin", 8 * MIB, thin),
+        ("clone", 8 * MIB, clone),
+        ("ro", 2 * MIB, vec![(0, "E", 2 * MIB)]),
+    ]
+}
+
+fn content(size: u64, parts: &[(u64, &str, u64)]) -> Vec<u8> {
+    let mut v = vec![0u8; size as usize];
+    for &(off, tag, len) in parts {
+        v[off as usize..(off + len) as usize].copy_from_slice(&pattern(tag, off, len));
+    }
+    v
+}
+
+#[test]
+fn reads_what_spdk_wrote() {
+    let dev = device(&image());
+    assert!(is_spdk_blobstore(&*dev));
+    let s = SpdkLvstore::open(dev).unwrap();
+    let j = spdk_json();
+    let lvs = &j["lvstores"][0];
+    assert_eq!(s.name, lvs["name"].as_str().unwrap());
+    assert_eq!(s.uuid.to_string(), lvs["uuid"].as_str().unwrap());
+    assert_eq!(
+        u64::from(s.sb.cluster_size),
+        lvs["cluster_size"].as_u64().unwrap()
+    );
+    assert_eq!(s.sb.io_unit_size, 512);
+    assert_eq!(s.lvols.len(), 5);
+    for l in j["lvols"].as_array().unwrap() {
+        let name = l["name"].as_str().unwrap();
+        let v = s.find(name).unwrap();
+        assert_eq!(v.uuid.to_string(), l["uuid"].as_str().unwrap(), "{name}");
+        assert_eq!(
+            v.thin,
+            l["is_thin_provisioned"].as_bool().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            v.allocated(),
+            l["num_allocated_clusters"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            s.has_clones(v.blob_id),
+            l["is_snapshot"].as_bool().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            v.parent.is_some(),
+            l["is_clone"].as_bool().unwrap(),
+            "{name}"
+        );
+        assert!(std::ptr::eq(
+            s.find(l["alias"].as_str().unwrap()).unwrap(),
+            v
+        ));
+    }
+    let snap = s.find("snap").unwrap().blob_id;
+    assert_eq!(s.find("thin").unwrap().parent, Some(snap));
+    assert_eq!(s.find("clone").unwrap().parent, Some(snap));
+    assert!(s.find("snap").unwrap().read_only);
+    assert!(s.find("ro").unwrap().read_only);
+    assert!(!s.find("thick").unwrap().read_only);
+    for (name, size, parts) in expected() {
+        let v = s.find(name).unwrap();
+        assert_eq!(v.size_bytes(s.sb.cluster_size), size, "{name}");
+        let mut got = vec![0u8; size as usize];
+        s.read_at(v, 0, &mut got).unwrap();
+        assert!(got == content(size, &parts), "data of {name}");
+    }
+    // Reads past the end are refused.
+    let v = s.find("ro").unwrap();
+    assert!(s.read_at(v, 2 * MIB - 4096, &mut [0u8; 8192]).is_err());
+}
+
+#[test]
+fn imports_into_a_katablk_store() {
+    let src = SpdkLvstore::open(device(&image())).unwrap();
+    let dst: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(64 * MIB / 512, 512).unwrap());
+    let (lvs, report) = LvStore::import_spdk(&src, dst.clone()).unwrap();
+    assert_eq!(report.lvols.len(), 5);
+    assert_eq!(report.clusters_copied, 10);
+    let check = |lvs: &LvStore| {
+        let info = lvs.info();
+        assert_eq!(info.name, "lvs_spdk");
+        assert_eq!(info.uuid, src.uuid);
+        assert_eq!(info.cluster_size, 1 << 20);
+        for (name, size, parts) in expected() {
+            let i = lvs.lvol_info(name).unwrap();
+            let s = src.find(name).unwrap();
+            assert_eq!(i.uuid, s.uuid, "{name}");
+            assert_eq!(i.size_bytes, size, "{name}");
+            assert_eq!(i.thin, s.thin, "{name}");
+            assert_eq!(i.num_allocated_clusters, s.allocated(), "{name}");
+            assert_eq!(i.snapshot, name == "snap", "{name}");
+            assert_eq!(i.clone, name == "thin" || name == "clone", "{name}");
+            let v = lvs.lvol(name).unwrap();
+            let mut got = vec![0u8; size as usize];
+            SyncIo::new(&*v).unwrap().read_at(0, &mut got).unwrap();
+            assert!(got == content(size, &parts), "data of {name}");
+        }
+        let allocated: u64 = lvs.list().iter().map(|l| l.num_allocated_clusters).sum();
+        assert_eq!(allocated + info.free_clusters, info.total_data_clusters);
+    };
+    check(&lvs);
+    // Read-only volumes stay read-only; the clone is writable and copies on write.
+    let ro = lvs.lvol("ro").unwrap();
+    assert!(SyncIo::new(&*ro)
+        .unwrap()
+        .write_at(0, &[1u8; 4096])
+        .is_err());
+    let clone = lvs.lvol("clone").unwrap();
+    SyncIo::new(&*clone)
+        .unwrap()
+        .write_at(MIB, &[9u8; 4096])
+        .unwrap();
+    drop((ro, clone));
+    drop(lvs);
+    let lvs = LvStore::open(dst).unwrap();
+    let clone = lvs.lvol("clone").unwrap();
+    let mut b = vec![0u8; 4096];
+    SyncIo::new(&*clone).unwrap().read_at(MIB, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 9));
+    let mut b = vec![0u8; 4096];
+    SyncIo::new(&*clone).unwrap().read_at(0, &mut b).unwrap();
+    assert!(b == pattern("B", 0, 4096));
+    drop(clone);
+    // The snapshot's data is untouched by the clone's write.
+    let snap = lvs.lvol("snap").unwrap();
+    let mut b = vec![0u8; 4096];
+    SyncIo::new(&*snap).unwrap().read_at(MIB, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn too_small_a_destination_is_refused_cleanly() {
+    let src = SpdkLvstore::open(device(&image())).unwrap();
+    let dst: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(8 * MIB / 512, 512).unwrap());
+    match LvStore::import_spdk(&src, dst) {
+        Err(LvolError::NoSpace { .. }) => {}
+        other => panic!("expected NoSpace, got {:?}", other.map(|(_, r)| r)),
+    }
+}
+
+#[test]
+fn katablk_open_names_the_spdk_store() {
+    let e = LvStore::open(device(&image())).unwrap_err().to_string();
+    assert!(e.contains("SPDK"), "{e}");
+}
+
+#[test]
+fn damaged_spdk_stores_give_clear_errors() {
+    let img = image();
+    // Super block checksum.
+    let mut bad = img.clone();
+    bad[100] ^= 1;
+    let e = SpdkLvstore::open(device(&bad)).unwrap_err();
+    assert!(matches!(e, LvolError::CorruptSuperblock(_)), "{e}");
+    // Truncated device.
+    let e = SpdkLvstore::open(device(&img[..16 << 20])).unwrap_err();
+    assert!(matches!(e, LvolError::DeviceTooSmall { .. }), "{e}");
+    // Not SPDK at all.
+    let e = SpdkLvstore::open(device(&vec![0u8; 1 << 20])).unwrap_err();
+    assert!(matches!(e, LvolError::NotAnLvstore(_)), "{e}");
+    // A metadata page of the super blob with a bad checksum: the store's name is lost.
+    let md_start = u32::from_le_bytes(img[48..52].try_into().unwrap()) as usize;
+    let super_blob = u64::from_le_bytes(img[20..28].try_into().unwrap());
+    let page = (md_start + (super_blob & 0xffff_ffff) as usize) * 4096;
+    let mut bad = img.clone();
+    bad[page + 40] ^= 0xff;
+    let e = SpdkLvstore::open(device(&bad)).unwrap_err();
+    assert!(e.to_string().contains("super blob"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Random damage to the super block and metadata region never panics the reader, and
+    /// whatever it accepts reads back without panicking either.
+    #[test]
+    fn random_metadata_damage_never_panics(
+        flips in prop::collection::vec((0usize..(80 * 4096), any::<u8>()), 1..16)
+    ) {
+        let mut img = image();
+        for (off, x) in flips {
+            img[off] ^= x | 1;
+        }
+        if let Ok(s) = SpdkLvstore::open(device(&img)) {
+            for l in s.lvols.values() {
+                let mut b = vec![0u8; 4096.min(l.size_bytes(s.sb.cluster_size) as usize)];
+                let _ = s.read_at(l, 0, &mut b);
+            }
+        }
+    }
+}
