@@ -44,6 +44,7 @@ mod alloc;
 mod channel;
 pub mod cluster_map;
 mod error;
+mod export;
 mod import;
 mod lvol;
 pub mod md;
@@ -54,6 +55,7 @@ mod store;
 pub mod superblock;
 
 pub use error::{LvolError, Result};
+pub use export::ExportReport;
 pub use import::ImportReport;
 pub use lvol::{Lvol, LvolInfo};
 pub use md::ClearMethod;

@@ -267,3 +267,198 @@ proptest! {
         }
     }
 }
+
+/// A katablk store with every kind of volume, and its expected content.
+fn katablk_store(dev: Arc<dyn BlockDevice>) -> (LvStore, Vec<(&'static str, Vec<u8>)>) {
+    let mut o = katablk_lvol::LvsOptions::new("lvs_kbl");
+    o.cluster_size = MIB as u32;
+    let lvs = LvStore::create(dev, o).unwrap();
+    let w = |name: &str, off: u64, data: &[u8]| {
+        let v = lvs.lvol(name).unwrap();
+        SyncIo::new(&*v).unwrap().write_at(off, data).unwrap();
+    };
+    lvs.create_lvol("thick", 3 * MIB, false).unwrap();
+    w("thick", 0, &pattern("a", 0, 2 * MIB));
+    lvs.create_lvol("thin", 6 * MIB, true).unwrap();
+    w("thin", MIB, &pattern("b", MIB, 64 * 1024));
+    w("thin", 4 * MIB, &pattern("b", 4 * MIB, MIB));
+    lvs.snapshot("thin", "snap").unwrap();
+    w("thin", MIB, &pattern("c", MIB, 4096));
+    lvs.clone_lvol("snap", "clone").unwrap();
+    w("clone", 5 * MIB, &pattern("d", 5 * MIB, 8192));
+    lvs.create_lvol("ro", MIB, false).unwrap();
+    w("ro", 0, &pattern("e", 0, MIB));
+    lvs.set_read_only("ro").unwrap();
+    let mut snap = vec![0u8; 6 * MIB as usize];
+    snap[MIB as usize..(MIB + 65536) as usize].copy_from_slice(&pattern("b", MIB, 65536));
+    snap[4 * MIB as usize..5 * MIB as usize].copy_from_slice(&pattern("b", 4 * MIB, MIB));
+    let mut thin = snap.clone();
+    thin[MIB as usize..(MIB + 4096) as usize].copy_from_slice(&pattern("c", MIB, 4096));
+    let mut clone = snap.clone();
+    clone[5 * MIB as usize..(5 * MIB + 8192) as usize].copy_from_slice(&pattern(
+        "d",
+        5 * MIB,
+        8192,
+    ));
+    let mut thick = vec![0u8; 3 * MIB as usize];
+    thick[..2 * MIB as usize].copy_from_slice(&pattern("a", 0, 2 * MIB));
+    let want = vec![
+        ("thick", thick),
+        ("thin", thin),
+        ("snap", snap),
+        ("clone", clone),
+        ("ro", pattern("e", 0, MIB)),
+    ];
+    (lvs, want)
+}
+
+#[test]
+fn exports_as_an_spdk_lvstore_and_back() {
+    let dev: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(64 * MIB / 512, 512).unwrap());
+    let (lvs, want) = katablk_store(dev);
+    let out: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(32 * MIB / 512, 512).unwrap());
+    let r = lvs.export_spdk(out.clone()).unwrap();
+    assert_eq!(r.lvols.len(), 5);
+    let s = SpdkLvstore::open(out).unwrap();
+    assert!(s.sb.clean);
+    assert_eq!(s.name, "lvs_kbl");
+    assert_eq!(s.uuid, lvs.info().uuid);
+    for (name, data) in &want {
+        let k = lvs.lvol_info(name).unwrap();
+        let v = s.find(name).unwrap();
+        assert_eq!(v.uuid, k.uuid, "{name}");
+        assert_eq!(v.thin, k.thin, "{name}");
+        assert_eq!(v.read_only, k.read_only, "{name}");
+        assert_eq!(v.allocated(), k.num_allocated_clusters, "{name}");
+        assert_eq!(s.has_clones(v.blob_id), k.snapshot, "{name}");
+        assert_eq!(v.parent.is_some(), k.clone, "{name}");
+        let mut got = vec![0u8; data.len()];
+        s.read_at(v, 0, &mut got).unwrap();
+        assert!(&got == data, "data of {name}");
+    }
+    // And in again.
+    let back: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(64 * MIB / 512, 512).unwrap());
+    let (lvs2, _) = LvStore::import_spdk(&s, back).unwrap();
+    for (name, data) in &want {
+        let v = lvs2.lvol(name).unwrap();
+        let mut got = vec![0u8; data.len()];
+        SyncIo::new(&*v).unwrap().read_at(0, &mut got).unwrap();
+        assert!(&got == data, "data of {name} after the round trip");
+    }
+    // Too small a destination is refused before anything is written.
+    let tiny: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(4 * MIB / 512, 512).unwrap());
+    assert!(matches!(
+        lvs.export_spdk(tiny),
+        Err(LvolError::NoSpace { .. })
+    ));
+}
+
+/// With a real SPDK (`SPDK_DIR` set to an SPDK build): SPDK's lvol module examines the
+/// exported store, reports the volumes as katablk has them, and spdk_dd reads their data.
+#[test]
+fn spdk_opens_the_exported_store() {
+    let Ok(spdk) = std::env::var("SPDK_DIR") else {
+        eprintln!("SKIPPED: needs SPDK: set SPDK_DIR to an SPDK build (build/bin/vhost, spdk_dd)");
+        return;
+    };
+    let dev: Arc<dyn BlockDevice> = Arc::new(MallocDevice::new(64 * MIB / 512, 512).unwrap());
+    let (lvs, want) = katablk_store(dev);
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("exported.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let out: Arc<dyn BlockDevice> = Arc::new(
+        katablk_bdev::file::FileDevice::open(&img, &katablk_bdev::file::FileOptions::default())
+            .unwrap(),
+    );
+    lvs.export_spdk(out).unwrap();
+    let sock = dir.path().join("spdk.sock");
+    let mut tgt = std::process::Command::new(format!("{spdk}/build/bin/vhost"))
+        .args(["--no-huge", "-s", "512", "-m", "0x1", "-S"])
+        .arg(dir.path())
+        .arg("-r")
+        .arg(&sock)
+        .stdout(std::fs::File::create(dir.path().join("vhost.log")).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let rpc = |args: &[&str]| -> String {
+        let o = std::process::Command::new("python3")
+            .env("PYTHONPATH", format!("{spdk}/python"))
+            .arg(format!("{spdk}/scripts/rpc.py"))
+            .arg("-s")
+            .arg(&sock)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "rpc {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    for _ in 0..100 {
+        if sock.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    rpc(&["framework_wait_init"]);
+    rpc(&["bdev_aio_create", img.to_str().unwrap(), "aio0", "512"]);
+    rpc(&["bdev_wait_for_examine"]);
+    let lvols: serde_json::Value = serde_json::from_str(&rpc(&["bdev_lvol_get_lvols"])).unwrap();
+    let stores: serde_json::Value =
+        serde_json::from_str(&rpc(&["bdev_lvol_get_lvstores"])).unwrap();
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &tgt.id().to_string()])
+        .status();
+    let _ = tgt.wait();
+    assert_eq!(stores[0]["name"], "lvs_kbl");
+    assert_eq!(stores[0]["uuid"], lvs.info().uuid.to_string());
+    assert_eq!(lvols.as_array().unwrap().len(), 5, "{lvols}");
+    for l in lvols.as_array().unwrap() {
+        let name = l["name"].as_str().unwrap();
+        let k = lvs.lvol_info(name).unwrap();
+        assert_eq!(l["uuid"], k.uuid.to_string(), "{name}");
+        assert_eq!(l["is_thin_provisioned"], k.thin, "{name}");
+        assert_eq!(l["is_snapshot"], k.snapshot, "{name}");
+        assert_eq!(l["is_clone"], k.clone, "{name}");
+        assert_eq!(
+            l["num_allocated_clusters"], k.num_allocated_clusters,
+            "{name}"
+        );
+    }
+    // The data, read by SPDK.
+    let cfg = dir.path().join("dd.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"subsystems": [{{"subsystem": "bdev", "config": [
+  {{"method": "bdev_aio_create", "params": {{"name": "aio0", "filename": "{}", "block_size": 512}}}},
+  {{"method": "bdev_wait_for_examine"}}]}}]}}"#,
+            img.display()
+        ),
+    )
+    .unwrap();
+    for (name, data) in &want {
+        let of = dir.path().join(format!("{name}.out"));
+        let st = std::process::Command::new(format!("{spdk}/build/bin/spdk_dd"))
+            .args(["--no-huge", "-s", "512", "--json"])
+            .arg(&cfg)
+            .arg("--ib")
+            .arg(format!("lvs_kbl/{name}"))
+            .arg("--of")
+            .arg(&of)
+            .args(["--bs", "4096"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(st.success(), "spdk_dd of {name}");
+        let got = std::fs::read(&of).unwrap();
+        assert!(&got == data, "data of {name} as SPDK reads it");
+    }
+}
