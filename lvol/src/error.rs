@@ -10,6 +10,9 @@ pub enum LvolError {
     /// The device does not hold a katablk volume store (no signature in either super block slot).
     #[error("not a katablk lvstore: {0}")]
     NotAnLvstore(String),
+    /// The device does not hold an SPDK lvstore (import, inspect).
+    #[error("not an SPDK lvstore: {0}")]
+    NotSpdkLvstore(String),
     /// The store was written by a newer or unknown format version.
     #[error("unsupported lvstore format version {0}")]
     UnsupportedVersion(u32),
@@ -73,6 +76,7 @@ impl LvolError {
     pub fn errno(&self) -> i32 {
         match self {
             LvolError::NotAnLvstore(_)
+            | LvolError::NotSpdkLvstore(_)
             | LvolError::UnsupportedVersion(_)
             | LvolError::CorruptSuperblock(_)
             | LvolError::CorruptMetadata(_) => libc::EILSEQ,

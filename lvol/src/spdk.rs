@@ -157,7 +157,7 @@ pub fn is_spdk_blobstore(dev: &dyn BlockDevice) -> bool {
 /// Parses an SPDK super block page.
 pub fn parse_super(p: &[u8]) -> Result<SpdkSuperBlock> {
     if p.len() < PAGE_SIZE || &p[0..8] != SPDK_SIGNATURE {
-        return Err(LvolError::NotAnLvstore(
+        return Err(LvolError::NotSpdkLvstore(
             "no SPDK blobstore signature at page 0".into(),
         ));
     }
@@ -346,8 +346,8 @@ impl SpdkLvstore {
         io.read_at(0, &mut p)?;
         let sb = parse_super(&p)?;
         if sb.bstype.as_bytes() != LVS_BSTYPE {
-            return Err(LvolError::NotAnLvstore(format!(
-                "SPDK blobstore of type {:?}, not an lvstore",
+            return Err(LvolError::NotSpdkLvstore(format!(
+                "SPDK blobstore of type {:?}, not made by the lvol module",
                 sb.bstype
             )));
         }

@@ -330,7 +330,8 @@ pub fn describe_spdk(p: &[u8]) -> Option<String> {
     Some(format!(
         "found an SPDK blobstore super block (version {}, cluster size {}, metadata pages {}+{}, \
          type {:?}, {}, checksum {}); katablk's on-disk format is modelled on SPDK's but not \
-         byte compatible, so it cannot be opened here",
+         byte compatible, so it cannot be opened here: copy it into a katablk lvstore with \
+         `katablk-lvs import-spdk`, or serve it with katablk-spdk",
         get_u32(p, 8),
         get_u32(p, 28),
         get_u32(p, 48),

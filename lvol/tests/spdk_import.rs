@@ -236,7 +236,7 @@ fn damaged_spdk_stores_give_clear_errors() {
     assert!(matches!(e, LvolError::DeviceTooSmall { .. }), "{e}");
     // Not SPDK at all.
     let e = SpdkLvstore::open(device(&vec![0u8; 1 << 20])).unwrap_err();
-    assert!(matches!(e, LvolError::NotAnLvstore(_)), "{e}");
+    assert!(matches!(e, LvolError::NotSpdkLvstore(_)), "{e}");
     // A metadata page of the super blob with a bad checksum: the store's name is lost.
     let md_start = u32::from_le_bytes(img[48..52].try_into().unwrap()) as usize;
     let super_blob = u64::from_le_bytes(img[20..28].try_into().unwrap());

@@ -74,11 +74,20 @@ fn sockets_metrics_and_pinning() {
         let task = task.unwrap().path();
         let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
         if comm.starts_with("katablk-q") {
-            let status = std::fs::read_to_string(task.join("status")).unwrap();
-            let line = status
-                .lines()
-                .find(|l| l.starts_with("Cpus_allowed_list"))
-                .unwrap();
+            // A new worker pins itself as it starts: give it a moment.
+            let mut line = String::new();
+            for _ in 0..200 {
+                let status = std::fs::read_to_string(task.join("status")).unwrap();
+                line = status
+                    .lines()
+                    .find(|l| l.starts_with("Cpus_allowed_list"))
+                    .unwrap()
+                    .to_string();
+                if line.ends_with("\t0") {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
             assert!(line.ends_with("\t0"), "{comm}: {line}");
             pinned += 1;
         }
