@@ -35,6 +35,8 @@ struct Drain {
     clusters: Vec<u32>,
     clear: ClearMethod,
     deadline: Instant,
+    /// The discards that released these clusters: they complete when the clusters are free.
+    waiting: Vec<(Arc<Lvol>, u64)>,
 }
 
 /// The releases in progress, at most one per volume.
@@ -57,7 +59,9 @@ impl Draining {
             return false;
         }
         let mut st = shared.md();
+        let mut waiting = Vec::new();
         for d in done {
+            waiting.extend(d.waiting.iter().cloned());
             shared
                 .releasing
                 .fetch_sub(d.clusters.len() as u64, Ordering::SeqCst);
@@ -72,6 +76,9 @@ impl Draining {
                 );
             }
         }
+        drop(st);
+        let n = waiting.len();
+        wake(shared, &waiting, vec![Ok(()); n]);
         true
     }
 
@@ -92,8 +99,9 @@ impl Draining {
 
 /// Allocates clusters for first writes, in batches: fill every new cluster (copy from the
 /// parent or zero), flush, commit one metadata transaction, publish, wake the waiters.
-/// Releases are committed and their waiters woken at once; the released clusters are freed
-/// when the requests issued to them before have drained (checked between batches).
+/// Releases are committed at once; the released clusters are freed, and their discards
+/// completed, when the requests issued to them before have drained (checked between batches,
+/// so a slow request delays only the discard that waits for it).
 pub(crate) fn alloc_worker(shared: Arc<Shared>) {
     let mut draining = Draining::default();
     // Allocations that found no free cluster while released clusters were still draining:
@@ -171,7 +179,12 @@ pub(crate) fn alloc_worker(shared: Arc<Shared>) {
         }
         if !releases.is_empty() {
             let results = release_batch(&shared, &releases, &mut draining);
-            wake(&shared, &releases, results);
+            let (now, rs): (Vec<_>, Vec<_>) = releases
+                .into_iter()
+                .zip(results)
+                .filter_map(|(w, r)| r.map(|r| (w, r)))
+                .unzip();
+            wake(&shared, &now, rs);
         }
     }
 }
@@ -196,8 +209,9 @@ fn wake(shared: &Shared, batch: &[(Arc<Lvol>, u64)], results: Vec<Result<(), IoE
 
 /// Gives whole discarded clusters of thin volumes back to the store: unmap them in one
 /// metadata transaction (after which a crash finds them free) and publish the new maps; the
-/// clusters are cleared and marked free by [`Draining::poll`] once the I/O issued to them
-/// before has finished. Clusters that cannot be released (no longer allocated, read-only, an
+/// clusters are cleared and marked free at once if no earlier I/O to the volume is running,
+/// else by [`Draining::poll`] once it has finished. Returns each entry's result, `None` for
+/// the entries whose discard completes with that drain. Clusters that cannot be released (no longer allocated, read-only, an
 /// ancestor has data there, or the commit failed) are left alone; their waiters then pass the
 /// discard to the device as before. The caller guarantees that no volume of `batch` has a
 /// drain in progress.
@@ -205,15 +219,16 @@ fn release_batch(
     shared: &Arc<Shared>,
     batch: &[(Arc<Lvol>, u64)],
     draining: &mut Draining,
-) -> Vec<Result<(), IoError>> {
-    let ok = vec![Ok(()); batch.len()];
+) -> Vec<Option<Result<(), IoError>>> {
+    let ok = vec![Some(Ok(())); batch.len()];
     let mut st = shared.md();
     if st.check_ok().is_err() {
         return ok;
     }
     let mut changed: BTreeMap<u64, BlobMd> = BTreeMap::new();
     let mut freed: BTreeMap<u64, (Arc<Lvol>, Vec<u32>)> = BTreeMap::new();
-    for (vol, c) in batch {
+    let mut released = vec![false; batch.len()];
+    for (i, (vol, c)) in batch.iter().enumerate() {
         let c = *c as usize;
         let b = match changed.get_mut(&vol.id) {
             Some(b) => b,
@@ -240,6 +255,7 @@ fn release_batch(
             .or_insert_with(|| (vol.clone(), Vec::new()))
             .1
             .push(p);
+        released[i] = true;
     }
     if freed.is_empty() {
         return ok;
@@ -258,6 +274,7 @@ fn release_batch(
     // epoch that ends now. Usually none is running: free the clusters right away.
     let deadline = Instant::now() + RELEASE_DRAIN;
     let mut now_free = Vec::new();
+    let mut results = ok;
     for (id, (vol, clusters)) in freed {
         let clear = clear.get(&id).copied().unwrap_or_default();
         let bucket = vol.begin_drain();
@@ -268,12 +285,20 @@ fn release_batch(
         shared
             .releasing
             .fetch_add(clusters.len() as u64, Ordering::SeqCst);
+        let mut waiting = Vec::new();
+        for (i, (v, c)) in batch.iter().enumerate() {
+            if released[i] && v.id == id {
+                waiting.push((v.clone(), *c));
+                results[i] = None;
+            }
+        }
         draining.0.push(Drain {
             clear,
             vol,
             bucket,
             clusters,
             deadline,
+            waiting,
         });
     }
     if !now_free.is_empty() {
@@ -282,7 +307,7 @@ fn release_batch(
             st.release_clusters(&clusters, clear);
         }
     }
-    ok
+    results
 }
 
 /// Allocates the clusters of `batch`. Returns each entry's result and whether it must be

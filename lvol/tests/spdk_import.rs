@@ -15,17 +15,22 @@ use proptest::prelude::*;
 
 const MIB: u64 = 1 << 20;
 
+/// The fixture image (decompressed once per test process).
 fn image() -> Vec<u8> {
-    let gz = std::fs::read(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/spdk-lvstore.img.gz"
-    ))
-    .unwrap();
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut out)
+    static IMG: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    IMG.get_or_init(|| {
+        let gz = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/spdk-lvstore.img.gz"
+        ))
         .unwrap();
-    out
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&gz[..])
+            .read_to_end(&mut out)
+            .unwrap();
+        out
+    })
+    .clone()
 }
 
 fn spdk_json() -> serde_json::Value {
