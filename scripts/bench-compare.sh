@@ -60,7 +60,7 @@ THIN_IMG=${THIN_IMG:-${IMG_DIR:-/var/tmp}/katablk-bench-thin.img} # thin-first-w
 THIN_MIB=${THIN_MIB:-$IMG_MIB}                   # thin lvol size
 THIN_CLUSTER=${THIN_CLUSTER:-}                   # thin lvstore cluster_sz in bytes (default 4 MiB)
 THIN_WORKLOADS=${THIN_WORKLOADS:-randwrite-4k-qd32} # workloads of thin-first-write (run with RAMP 0)
-PREFILL_SECS=${PREFILL_SECS:-5}                  # malloc/lvol-ram: sequential write pass before reads
+PREFILL_SECS=${PREFILL_SECS:-5}                  # malloc/lvol-ram: sequential write pass before each run
 SOCK_DIR=${SOCK_DIR:-$(mktemp -d /tmp/katablk-bench.XXXXXX)}
 
 log() { printf '[bench-compare %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -399,13 +399,14 @@ server_has() {
 }
 
 # prefill_run SERVER CASE WORKLOAD TAG: RAM backends start empty (untouched memory reads as
-# zeroes without touching real pages), so before a read workload on malloc/lvol-ram write
-# the device sequentially for PREFILL_SECS (its report goes to logs/, not raw/).
+# zeroes without touching real pages, and every first write to a page takes a page fault), so
+# before any workload on malloc/lvol-ram write the device sequentially for PREFILL_SECS (its
+# report goes to logs/, not raw/): the run then measures the device, not the kernel's
+# first-touch path.
 prefill_run() {
     local server=$1 case=$2 wl=$3 tag=$4
     case $case in malloc | lvol-ram) ;; *) return 0 ;; esac
     case $server in katablk | target | kspdk | spdk) ;; *) return 0 ;; esac
-    case $wl in *read*) ;; *) return 0 ;; esac
     [ "$PREFILL_SECS" != 0 ] || return 0
     run_bench --socket "$sock" --rw write --bs 1M --iodepth 8 --runtime "$PREFILL_SECS" --ramp 0 \
         --poll "$POLL" --no-progress --json "$OUT/logs/$tag.prefill.json" \

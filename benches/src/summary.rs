@@ -26,6 +26,9 @@ pub struct Row {
     pub iops: f64,
     /// IOPS of each round, in run order.
     pub iops_rounds: Vec<f64>,
+    /// Server CPU (% of one core) of each round, in run order, where sampled.
+    #[serde(default)]
+    pub server_cpu_rounds: Vec<Option<f64>>,
     /// Median bandwidth, MB/s (10⁶ B/s).
     pub mb_per_sec: f64,
     /// Median of the rounds' mean latency, µs.
@@ -104,6 +107,28 @@ pub const LVOL_GOAL: f64 = 0.95;
 /// Paired rounds needed before the goal is judged on the paired ratio.
 pub const MIN_PAIRS: usize = 3;
 
+/// Server CPU share (% of one core) below which a round counts as disturbed.
+pub const QUIET_CPU: f64 = 95.0;
+
+/// The paired ratio over the rounds whose server CPU was ≥ [`QUIET_CPU`] in both cases.
+fn quiet_pairs(l: &Row, b: &Row) -> (Option<f64>, usize) {
+    if l.iops_rounds.len() != b.iops_rounds.len()
+        || l.server_cpu_rounds.len() != l.iops_rounds.len()
+        || b.server_cpu_rounds.len() != b.iops_rounds.len()
+    {
+        return (None, 0);
+    }
+    let v: Vec<f64> = (0..l.iops_rounds.len())
+        .filter(|&i| {
+            l.server_cpu_rounds[i].is_some_and(|c| c >= QUIET_CPU)
+                && b.server_cpu_rounds[i].is_some_and(|c| c >= QUIET_CPU)
+                && b.iops_rounds[i] > 0.0
+        })
+        .map(|i| l.iops_rounds[i] / b.iops_rounds[i])
+        .collect();
+    (median(&v), v.len())
+}
+
 /// Median of the per-round ratios `a[i] / b[i]` (equal lengths ≥ 2, positive denominators).
 fn paired_median(a: &[f64], b: &[f64]) -> Option<f64> {
     if a.len() != b.len() || a.len() < 2 {
@@ -150,6 +175,14 @@ pub struct LvolRatio {
     /// Number of rounds paired for `iops_paired`.
     #[serde(default)]
     pub pairs: usize,
+    /// `iops_paired` over the rounds in which the server had at least [`QUIET_CPU`] % of a
+    /// core in both cases: a CPU-bound server below that was descheduled by something else
+    /// on the machine, which disturbs that pair.
+    #[serde(default)]
+    pub iops_paired_quiet: Option<f64>,
+    /// Number of rounds in `iops_paired_quiet`.
+    #[serde(default)]
+    pub quiet_pairs: usize,
     /// Whether the IOPS ratio ≥ [`LVOL_GOAL`] (thick lvol cases only): `iops_paired` when
     /// at least [`MIN_PAIRS`] rounds were paired, else `iops`.
     pub within_goal: Option<bool>,
@@ -279,6 +312,10 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                 rounds: rs.len(),
                 iops,
                 iops_rounds: rs.iter().map(|r| r.total.total.iops).collect(),
+                server_cpu_rounds: rs
+                    .iter()
+                    .map(|r| r.server_cpu.as_ref().map(|c| c.percent))
+                    .collect(),
                 mb_per_sec: med(rs, |r| r.total.total.mb_per_sec()),
                 lat_mean_us: med(rs, |r| r.total.total.lat.mean_ns / 1e3),
                 lat_p50_us: med(rs, |r| r.total.total.lat.p50_ns as f64 / 1e3),
@@ -369,6 +406,7 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                 } else {
                     iops
                 };
+                let (iops_paired_quiet, quiet_n) = quiet_pairs(l, b);
                 let control = if lcase.starts_with("lvol-") {
                     servers
                         .iter()
@@ -391,6 +429,8 @@ pub fn build(name: &str, reports: &[BenchReport], baseline: &str, candidate: &st
                     iops,
                     iops_paired,
                     pairs,
+                    iops_paired_quiet,
+                    quiet_pairs: quiet_n,
                     lat_p50: ratio(l.lat_p50_us, b.lat_p50_us),
                     lat_p99: ratio(l.lat_p99_us, b.lat_p99_us),
                     server_cpu_per_io: opt_ratio(l.server_cpu_us_per_io, b.server_cpu_us_per_io),
@@ -539,15 +579,20 @@ impl Summary {
                  lvol (allocating) with the thick lvol. IOPS is the ratio of the medians; paired is \
                  the median of the per-round ratios (round i over round i; with INTERLEAVE=1 the two \
                  runs of a round are adjacent in time), and the goal is judged on it from \
-                 {MIN_PAIRS} rounds on. The last column is the same ratio for a server that serves \
+                 {MIN_PAIRS} rounds on; quiet is the same over the rounds in which the server had \
+                 at least {QUIET_CPU:.0} % of a core in both cases (below that a CPU-bound server \
+                 was descheduled by something else). The last column is the same ratio for a server that serves \
                  the same backend in both cases (katablk-vhost, QSD): far from 1.000 means the \
                  machine changed between the cases and the lvol ratio is not trustworthy.\n"
             );
             let _ = writeln!(
                 o,
-                "| server | lvol case | raw case | workload | IOPS | IOPS paired (rounds) | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
+                "| server | lvol case | raw case | workload | IOPS | IOPS paired (rounds) | paired, quiet (rounds) | p50 | p99 | server CPU/IO | goal | control IOPS (A/A) |"
             );
-            let _ = writeln!(o, "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|");
+            let _ = writeln!(
+                o,
+                "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"
+            );
             for l in &self.lvol_ratios {
                 let goal = match l.within_goal {
                     Some(true) => "met",
@@ -556,7 +601,7 @@ impl Summary {
                 };
                 let _ = writeln!(
                     o,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {goal} | {} |",
                     l.server,
                     l.case,
                     l.raw_case,
@@ -564,6 +609,10 @@ impl Summary {
                     fmt_opt(l.iops, 3),
                     match l.iops_paired {
                         Some(x) => format!("{x:.3} ({})", l.pairs),
+                        None => String::new(),
+                    },
+                    match l.iops_paired_quiet {
+                        Some(x) => format!("{x:.3} ({})", l.quiet_pairs),
                         None => String::new(),
                     },
                     fmt_opt(l.lat_p50, 2),
@@ -846,6 +895,17 @@ mod tests {
         let s3 = build("t", &rs[..5], "qsd", "katablk");
         assert_eq!(s3.lvol_ratios[0].iops_paired, None);
         assert_eq!(paired_median(&[1.0, 2.0], &[1.0, 0.0]), None);
+        // Quiet pairs: round 2's raw run had the server descheduled (50 % of a core).
+        let mut rs = Vec::new();
+        for (raw, lvol, cpu) in [(100.0, 97.0, 98.0), (50.0, 96.0, 50.0), (100.0, 98.0, 99.0)] {
+            rs.push(report("aio-file", "rw", "target", raw, 100, cpu));
+            rs.push(report("lvol-file", "rw", "target", lvol, 100, 98.0));
+        }
+        let s = build("t", &rs, "qsd", "katablk");
+        let f = &s.lvol_ratios[0];
+        assert_eq!(f.quiet_pairs, 2);
+        assert!((f.iops_paired_quiet.unwrap() - 0.975).abs() < 1e-9);
+        assert!(s.to_markdown().contains("0.975 (2)"));
     }
 
     #[test]

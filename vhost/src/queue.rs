@@ -264,7 +264,9 @@ impl Worker {
 
     fn run(&mut self) {
         let mut events = vec![EpollEvent::default(); 64];
-        let mut last_busy = Instant::now();
+        // Start of the current stretch of turns without progress (clock read only then, not
+        // on every busy turn).
+        let mut idle_since: Option<Instant> = None;
         let mut notify_on = true;
         let poll = self.shared.poll;
         loop {
@@ -272,7 +274,7 @@ impl Worker {
                 return;
             };
             if progress {
-                last_busy = Instant::now();
+                idle_since = None;
                 if !poll.is_zero() && notify_on {
                     for q in &mut self.queues {
                         let _ = q.ctx.queue.disable_notification(&*mem);
@@ -285,7 +287,8 @@ impl Worker {
                 .queues
                 .iter()
                 .any(|q| !q.has_notify && q.chan.in_flight() > 0);
-            if must_spin || (!poll.is_zero() && last_busy.elapsed() < poll) {
+            let idle_start = *idle_since.get_or_insert_with(Instant::now);
+            if must_spin || (!poll.is_zero() && idle_start.elapsed() < poll) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -522,8 +525,9 @@ impl Worker {
     fn take(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
         let mut took = false;
         let shared = self.shared.clone();
-        // The device's properties once per batch, not per request.
-        let info = shared.dev.info();
+        // The device's properties once per batch, not per request, and not at all when the
+        // ring is empty (a polling worker looks many times between requests).
+        let mut info: Option<katablk_bdev::DeviceInfo> = None;
         loop {
             let q = &mut self.queues[i];
             let Some(&slot_idx) = q.free.last() else {
@@ -579,7 +583,8 @@ impl Worker {
             ) {
                 Ok(req) => {
                     slot.req = Some(req);
-                    self.dispatch(i, slot_idx, mem, &info);
+                    let info = info.get_or_insert_with(|| shared.dev.info());
+                    self.dispatch(i, slot_idx, mem, info);
                 }
                 Err(e) => {
                     debug!(queue = q.ctx.index, head, "bad request: {e}");
