@@ -13,7 +13,11 @@ use katablk_bdev::BlockDevice;
 
 use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
-use crate::md::{crc, put_u32, put_u64, BlobMd, ClearMethod, PAGE_SIZE};
+use crate::md::{crc, put_u32, put_u64, BlobMd, PAGE_SIZE};
+use crate::spdk::{
+    clear_to_flags, BLOBID_HIGH, DESC_END, DESC_START, D_EXTENT_RLE, D_FLAGS, D_XATTR,
+    D_XATTR_INTERNAL, F_INTERNAL_XATTR, F_READ_ONLY, F_THIN, LVS_BSTYPE, NO_PAGE,
+};
 use crate::store::LvStore;
 use crate::superblock::SPDK_SIGNATURE;
 
@@ -29,11 +33,6 @@ pub struct ExportReport {
     /// Metadata pages of the SPDK store.
     pub md_len: u32,
 }
-
-const BLOBID_HIGH: u64 = 1 << 32;
-const NO_PAGE: u32 = u32::MAX;
-const DESC_START: usize = 16;
-const DESC_END: usize = PAGE_SIZE - 8;
 
 /// Bytes of descriptors of one blob, split into pages.
 struct PageWriter {
@@ -92,7 +91,7 @@ impl PageWriter {
                 b.extend_from_slice(&c.to_le_bytes());
                 b.extend_from_slice(&len.to_le_bytes());
             }
-            self.desc(1, &b);
+            self.desc(D_EXTENT_RLE, &b);
             i += n;
         }
     }
@@ -226,9 +225,9 @@ impl LvStore {
         // Metadata chains: first pages 0..=n, continuation pages after them.
         let mut chains: Vec<(u64, Vec<Vec<u8>>)> = Vec::new();
         let mut sw = PageWriter::new();
-        sw.desc(3, &[0u8; 24]);
-        sw.xattr(2, "uuid", &c_string(&st.sb.uuid.to_string()));
-        sw.xattr(2, "name", &c_string(&st.sb.name));
+        sw.desc(D_FLAGS, &[0u8; 24]);
+        sw.xattr(D_XATTR, "uuid", &c_string(&st.sb.uuid.to_string()));
+        sw.xattr(D_XATTR, "name", &c_string(&st.sb.name));
         chains.push((super_blob, sw.pages));
         let mut report = ExportReport {
             super_blob,
@@ -241,20 +240,18 @@ impl LvStore {
             let mut w = PageWriter::new();
             let mut flags = [0u8; 24];
             let parent = b.parent.and_then(|p| ids.get(&p).copied());
-            let invalid = u64::from(b.thin) | if parent.is_some() { 1 << 1 } else { 0 };
+            let mut invalid = if b.thin { F_THIN } else { 0 };
+            if parent.is_some() {
+                invalid |= F_INTERNAL_XATTR;
+            }
             put_u64(&mut flags, 0, invalid);
-            put_u64(&mut flags, 8, u64::from(b.read_only));
-            let clear: u64 = match b.clear {
-                ClearMethod::None => 1,
-                ClearMethod::Unmap => 2,
-                ClearMethod::WriteZeroes => 3,
-            };
-            put_u64(&mut flags, 16, clear);
-            w.desc(3, &flags);
-            w.xattr(2, "name", &c_string(&b.name));
-            w.xattr(2, "uuid", &c_string(&b.uuid.to_string()));
+            put_u64(&mut flags, 8, if b.read_only { F_READ_ONLY } else { 0 });
+            put_u64(&mut flags, 16, clear_to_flags(b.clear));
+            w.desc(D_FLAGS, &flags);
+            w.xattr(D_XATTR, "name", &c_string(&b.name));
+            w.xattr(D_XATTR, "uuid", &c_string(&b.uuid.to_string()));
             if let Some(p) = parent {
-                w.xattr(4, "SNAP", &p.to_le_bytes());
+                w.xattr(D_XATTR_INTERNAL, "SNAP", &p.to_le_bytes());
             }
             if !m.is_empty() {
                 w.extents(&runs(m));
@@ -315,7 +312,7 @@ impl LvStore {
         put_u32(&mut sb, 44, cmask);
         put_u32(&mut sb, 48, md_start);
         put_u32(&mut sb, 52, md_len);
-        sb[56..56 + 9].copy_from_slice(b"LVOLSTORE");
+        sb[56..56 + LVS_BSTYPE.len()].copy_from_slice(LVS_BSTYPE);
         put_u32(&mut sb, 72, bmask_start);
         put_u32(&mut sb, 76, bmask);
         put_u64(&mut sb, 80, size);

@@ -31,29 +31,29 @@ use crate::superblock::SPDK_SIGNATURE;
 /// SPDK blobstore format versions this reader understands.
 const VERSIONS: [u32; 2] = [2, 3];
 /// Type string of a blobstore made by the lvol module (`bstype`).
-const LVS_BSTYPE: &[u8] = b"LVOLSTORE";
+pub(crate) const LVS_BSTYPE: &[u8] = b"LVOLSTORE";
 /// High word of every blob id.
-const BLOBID_HIGH: u64 = 1 << 32;
+pub(crate) const BLOBID_HIGH: u64 = 1 << 32;
 /// `next` of the last page of a chain.
-const NO_PAGE: u32 = u32::MAX;
+pub(crate) const NO_PAGE: u32 = u32::MAX;
 /// Descriptor area of a metadata page: bytes 16 .. 4088.
-const DESC_START: usize = 16;
-const DESC_END: usize = PAGE_SIZE - 8;
+pub(crate) const DESC_START: usize = 16;
+pub(crate) const DESC_END: usize = PAGE_SIZE - 8;
 /// Descriptor types.
 const D_PADDING: u8 = 0;
-const D_EXTENT_RLE: u8 = 1;
-const D_XATTR: u8 = 2;
-const D_FLAGS: u8 = 3;
-const D_XATTR_INTERNAL: u8 = 4;
+pub(crate) const D_EXTENT_RLE: u8 = 1;
+pub(crate) const D_XATTR: u8 = 2;
+pub(crate) const D_FLAGS: u8 = 3;
+pub(crate) const D_XATTR_INTERNAL: u8 = 4;
 const D_EXTENT_TABLE: u8 = 5;
 const D_EXTENT_PAGE: u8 = 6;
 /// Invalid-flags bits (a blob with unknown ones must not be opened).
-const F_THIN: u64 = 1;
-const F_INTERNAL_XATTR: u64 = 1 << 1;
+pub(crate) const F_THIN: u64 = 1;
+pub(crate) const F_INTERNAL_XATTR: u64 = 1 << 1;
 const F_EXTENT_TABLE: u64 = 1 << 2;
 const F_EXTERNAL_SNAPSHOT: u64 = 1 << 3;
 /// Data-read-only bit.
-const F_READ_ONLY: u64 = 1;
+pub(crate) const F_READ_ONLY: u64 = 1;
 /// Clusters per extent page.
 const EXTENTS_PER_PAGE: u64 = 512;
 /// Longest chain followed (a loop in `next` pointers is corruption).
@@ -265,6 +265,24 @@ fn parse_xattr(body: &[u8]) -> Result<(String, Vec<u8>)> {
     }
     let name = String::from_utf8_lossy(&body[4..4 + nl]).into_owned();
     Ok((name, body[4 + nl..].to_vec()))
+}
+
+/// The clear method in SPDK's md-read-only flag bits 0–1 (0, the default, is unmap).
+fn clear_from_flags(md_ro: u64) -> ClearMethod {
+    match md_ro & 3 {
+        1 => ClearMethod::None,
+        3 => ClearMethod::WriteZeroes,
+        _ => ClearMethod::Unmap,
+    }
+}
+
+/// [`clear_from_flags`] the other way round.
+pub(crate) fn clear_to_flags(c: ClearMethod) -> u64 {
+    match c {
+        ClearMethod::None => 1,
+        ClearMethod::Unmap => 2,
+        ClearMethod::WriteZeroes => 3,
+    }
 }
 
 /// A C string value (the lvol module stores names and UUIDs with their NUL).
@@ -509,11 +527,7 @@ impl SpdkLvstore {
                     "thick lvol {name:?} has unallocated clusters"
                 )));
             }
-            let clear = match raw.md_ro & 3 {
-                1 => ClearMethod::None,
-                3 => ClearMethod::WriteZeroes,
-                _ => ClearMethod::Unmap,
-            };
+            let clear = clear_from_flags(raw.md_ro);
             lvols.insert(
                 id,
                 SpdkLvol {
