@@ -35,8 +35,81 @@ fn sys(what: &'static str) -> BdevError {
     }
 }
 
+/// A new memfd of `size` bytes, on 2 MiB hugepages if `huge`.
+fn memfd(size: libc::off_t, huge: bool) -> Result<OwnedFd, BdevError> {
+    let flags = if huge {
+        libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB
+    } else {
+        libc::MFD_CLOEXEC
+    };
+    // SAFETY: memfd_create with a static NUL-terminated name.
+    let raw = unsafe { libc::memfd_create(c"katablk-shm".as_ptr(), flags) };
+    if raw < 0 {
+        return Err(sys("memfd_create"));
+    }
+    // SAFETY: `raw` is a new descriptor owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ftruncate on our own descriptor (hugetlbfs needs the size before mapping).
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+        return Err(sys("ftruncate"));
+    }
+    Ok(fd)
+}
+
+/// Maps `len` bytes of `fd` shared at a 2 MiB-aligned address: reserves `len + 2 MiB` of address
+/// space, maps the memfd at the aligned address inside it and gives back the rest.
+fn map_aligned(fd: &OwnedFd, len: usize) -> Result<*mut libc::c_void, BdevError> {
+    let span = len + TWO_MIB;
+    // SAFETY: an anonymous PROT_NONE reservation, checked below.
+    let res = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if res == libc::MAP_FAILED {
+        return Err(sys("mmap (reservation)"));
+    }
+    let start = res as usize;
+    let aligned = start.next_multiple_of(TWO_MIB);
+    // SAFETY: [aligned, aligned + len) lies inside our reservation, which MAP_FIXED replaces;
+    // the memfd is `len` bytes long.
+    let p = unsafe {
+        libc::mmap(
+            aligned as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = sys("mmap");
+        // SAFETY: unmapping our own reservation.
+        unsafe { libc::munmap(res, span) };
+        return Err(e);
+    }
+    // SAFETY: the parts of the reservation before and after the mapping are ours.
+    unsafe {
+        if aligned > start {
+            libc::munmap(res, aligned - start);
+        }
+        let end = aligned + len;
+        if start + span > end {
+            libc::munmap(end as *mut libc::c_void, start + span - end);
+        }
+    }
+    Ok(p)
+}
+
 impl SharedRegion {
-    /// Maps at least `len` bytes (rounded up to 2 MiB).
+    /// Maps at least `len` bytes (rounded up to 2 MiB), on hugepages when the kernel has enough
+    /// free ones, else on normal pages.
     pub fn new(len: usize) -> Result<SharedRegion, BdevError> {
         let len = len
             .max(1)
@@ -44,89 +117,25 @@ impl SharedRegion {
             .ok_or_else(|| BdevError::Invalid(format!("shared region of {len} bytes")))?;
         let size = libc::off_t::try_from(len)
             .map_err(|_| BdevError::Invalid(format!("shared region of {len} bytes")))?;
-        let mut huge = true;
-        // SAFETY: memfd_create with a static NUL-terminated name.
-        let mut raw = unsafe {
-            libc::memfd_create(
-                c"katablk-shm".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
-            )
-        };
-        // SAFETY: ftruncate on our own descriptor (hugetlbfs needs the size before mapping).
-        if raw >= 0 && unsafe { libc::ftruncate(raw, size) } != 0 {
-            // SAFETY: closing our own descriptor.
-            unsafe { libc::close(raw) };
-            raw = -1;
-        }
-        if raw < 0 {
-            huge = false;
-            // SAFETY: as above, without hugepages.
-            raw = unsafe { libc::memfd_create(c"katablk-shm".as_ptr(), libc::MFD_CLOEXEC) };
-            if raw < 0 {
-                return Err(sys("memfd_create"));
-            }
-            // SAFETY: ftruncate on our own descriptor.
-            if unsafe { libc::ftruncate(raw, size) } != 0 {
-                let e = sys("ftruncate");
-                // SAFETY: closing our own descriptor.
-                unsafe { libc::close(raw) };
-                return Err(e);
-            }
-        }
-        // SAFETY: `raw` is a new descriptor owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // Reserve len + 2 MiB of address space, map the memfd at the aligned address inside it
-        // and give back the rest.
-        let span = len + TWO_MIB;
-        // SAFETY: an anonymous PROT_NONE reservation, checked below.
-        let res = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if res == libc::MAP_FAILED {
-            return Err(sys("mmap (reservation)"));
-        }
-        let start = res as usize;
-        let aligned = start.next_multiple_of(TWO_MIB);
-        // SAFETY: [aligned, aligned + len) lies inside our reservation, which MAP_FIXED
-        // replaces; the memfd is `len` bytes long.
-        let p = unsafe {
-            libc::mmap(
-                aligned as *mut libc::c_void,
+        // A hugetlbfs memfd is created and sized even when no hugepage is free; the pages are
+        // reserved by mmap, which then fails with ENOMEM. Any failure on the way falls back.
+        if let Ok((fd, addr)) =
+            memfd(size, true).and_then(|fd| map_aligned(&fd, len).map(|a| (fd, a)))
+        {
+            return Ok(SharedRegion {
+                addr,
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = sys("mmap");
-            // SAFETY: unmapping our own reservation.
-            unsafe { libc::munmap(res, span) };
-            return Err(e);
+                fd,
+                huge: true,
+            });
         }
-        // SAFETY: the parts of the reservation before and after the mapping are ours.
-        unsafe {
-            if aligned > start {
-                libc::munmap(res, aligned - start);
-            }
-            let end = aligned + len;
-            if start + span > end {
-                libc::munmap(end as *mut libc::c_void, start + span - end);
-            }
-        }
+        let fd = memfd(size, false)?;
+        let addr = map_aligned(&fd, len)?;
         Ok(SharedRegion {
-            addr: p,
+            addr,
             len,
             fd,
-            huge,
+            huge: false,
         })
     }
 
@@ -182,5 +191,32 @@ mod tests {
         let n = unsafe { libc::pread(r.fd(), b.as_mut_ptr().cast(), 1, 0) };
         assert_eq!((n, b[0]), (1, 7));
         assert!(SharedRegion::new(0).is_ok());
+    }
+
+    fn meminfo(key: &str) -> Option<usize> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].trim().parse().ok()
+    }
+
+    #[test]
+    fn more_than_every_hugepage_falls_back_to_normal_pages() {
+        // One page more than the kernel has in all, so the hugetlbfs mmap must fail (ENOMEM)
+        // whatever else runs; with surplus pages allowed that is not certain, so do not ask.
+        let overcommit = std::fs::read_to_string("/proc/sys/vm/nr_overcommit_hugepages")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        let total = meminfo("HugePages_Total:").unwrap_or(0);
+        let r = SharedRegion::new((total + 1) * TWO_MIB).unwrap();
+        assert_eq!(r.len(), (total + 1) * TWO_MIB);
+        assert_eq!(r.addr() as usize % TWO_MIB, 0);
+        if overcommit == 0 {
+            assert!(!r.is_hugepages());
+        }
+        // SAFETY: the region is ours and `len` bytes long.
+        let s = unsafe { std::slice::from_raw_parts_mut(r.addr(), r.len()) };
+        s[r.len() - 1] = 3;
+        assert_eq!(s[r.len() - 1], 3);
     }
 }

@@ -16,8 +16,12 @@
 # With --print-env it prints shell assignments (KATABLK_QEMU, KATABLK_QEMU_LD_LIBRARY_PATH,
 # KATABLK_QEMU_MODULE_DIR, KATABLK_QEMU_BIOS_DIRS, KATABLK_KERNEL, KATABLK_INITRD) for `eval`.
 #
-# Exit status: 0 ready; 77 the Debian packages cannot be downloaded (no mirror reachable: callers
-# skip); anything else is a real failure.
+# Package lists older than the mirror (a package's listed version is gone from it) are refreshed
+# with one `apt-get update` and the download retried.
+#
+# Exit status: 0 ready; 1 (or any other) a failure, also when the Debian packages cannot be
+# downloaded; 77 (callers skip) only for a machine that cannot reach a Debian mirror and asked
+# for it with KATABLK_E2E_ALLOW_SKIP=1.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,7 +32,32 @@ print_env=0
 
 log() { echo "guest-assets: $*" >&2; }
 die() { log "error: $*"; exit 1; }
-unavailable() { log "unavailable: $*"; exit 77; }
+unavailable() {
+    if [ "${KATABLK_E2E_ALLOW_SKIP:-0}" = 1 ]; then
+        log "unavailable: $*"
+        exit 77
+    fi
+    log "error: $* (a machine without a Debian mirror may skip with KATABLK_E2E_ALLOW_SKIP=1)"
+    exit 1
+}
+
+# One `apt-get update` per run, the first time a lookup or download fails: the lists may be older
+# than the mirror. Fails if it already ran or cannot reach the mirror.
+refreshed=0
+refresh_lists() {
+    [ $refreshed = 0 ] || return 1
+    refreshed=1
+    log "refreshing the package lists (apt-get update)"
+    apt-get update -qq >&2
+}
+
+# Runs "$@"; if it fails, refreshes the package lists once and runs it again.
+retry_fresh() {
+    "$@" && return 0
+    refresh_lists || return 1
+    log "retrying with fresh package lists: $*"
+    "$@"
+}
 
 # QEMU, its firmware, and the libraries of its Depends that a plain Debian 12 host may lack
 # (DESIGN.md section 7). Libraries the host already has are used from the host.
@@ -89,8 +118,8 @@ fi
 if [ -z "$kernel_pkg" ]; then
     kernel_pkg=$(resolve_kernel)
     if [ -z "$kernel_pkg" ]; then
-        log "no linux-image-amd64 in the package lists: running apt-get update"
-        apt-get update -qq >&2 || unavailable "apt-get update failed (no Debian mirror reachable?)"
+        log "no linux-image-amd64 in the package lists"
+        refresh_lists || unavailable "apt-get update failed (no Debian mirror reachable?)"
         kernel_pkg=$(resolve_kernel)
     fi
     [ -n "$kernel_pkg" ] || unavailable "no linux-image-6.1.0-*-amd64 package known to apt"
@@ -101,7 +130,7 @@ kver=${kernel_pkg#linux-image-}
 # 1. QEMU on the host side.
 qroot=$cache/qemu
 if [ ! -x "$qroot/usr/bin/qemu-system-x86_64" ]; then
-    apt_download "${qemu_pkgs[@]}" || unavailable "apt-get download of QEMU failed"
+    retry_fresh apt_download "${qemu_pkgs[@]}" || unavailable "apt-get download of QEMU failed"
     rm -rf "$qroot.tmp"
     mkdir -p "$qroot.tmp"
     for p in "${qemu_pkgs[@]}"; do dpkg -x "$(deb_of "$p")" "$qroot.tmp"; done
@@ -117,7 +146,18 @@ missing=$(LD_LIBRARY_PATH=$qlibs ldd "$qroot/usr/bin/qemu-system-x86_64" | awk '
 # 2. Kernel and modules (only those files are taken out of the 70 MB package).
 kdir=$cache/kernel-$kver
 if [ ! -s "$kdir/vmlinuz" ]; then
-    apt_download "$kernel_pkg" || unavailable "apt-get download of $kernel_pkg failed"
+    # After a refresh the kernel is looked up again (unless pinned): stale lists may name an ABI
+    # version the mirror no longer has.
+    kernel_fetch() {
+        if [ $refreshed = 1 ] && [ -z "${KATABLK_E2E_KERNEL_PKG:-}" ]; then
+            kernel_pkg=$(resolve_kernel)
+            [ -n "$kernel_pkg" ] || return 1
+        fi
+        apt_download "$kernel_pkg"
+    }
+    retry_fresh kernel_fetch || unavailable "apt-get download of $kernel_pkg failed"
+    kver=${kernel_pkg#linux-image-}
+    kdir=$cache/kernel-$kver
     rm -rf "$kdir.tmp"
     mkdir -p "$kdir.tmp/x"
     dpkg-deb --fsys-tarfile "$(deb_of "$kernel_pkg")" |
@@ -139,9 +179,13 @@ fi
 #    the guest's loader and libc come from the same package as everything else).
 groot=$cache/guest-root
 if [ ! -x "$groot/usr/bin/fio" ]; then
-    mapfile -t gpkgs < <(lib_closure "${guest_pkgs[@]}")
-    [ ${#gpkgs[@]} -gt 2 ] || unavailable "apt-cache knows no dependencies of fio"
-    apt_download "${gpkgs[@]}" || unavailable "apt-get download of fio and its libraries failed"
+    # The closure is computed again after a refresh: fresh lists may name other libraries.
+    guest_download() {
+        mapfile -t gpkgs < <(lib_closure "${guest_pkgs[@]}")
+        [ ${#gpkgs[@]} -gt 2 ] || { log "apt-cache knows no dependencies of fio"; return 1; }
+        apt_download "${gpkgs[@]}"
+    }
+    retry_fresh guest_download || unavailable "apt-get download of fio and its libraries failed"
     rm -rf "$groot.tmp"
     mkdir -p "$groot.tmp"
     for p in "${gpkgs[@]}"; do dpkg -x "$(deb_of "$p")" "$groot.tmp"; done
