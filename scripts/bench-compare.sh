@@ -6,16 +6,17 @@
 # (katablk, qsd, katablk, qsd, ...) for ROUNDS rounds, each run on a freshly started
 # server, and measures it with katablk-bench. Writes every raw JSON result to
 # OUT/raw/, then OUT/summary.json, OUT/summary.md (medians, katablk/qsd ratios) and PNG
-# charts. See benches/README.md. Every setting below can be overridden from the environment.
+# charts, and packs raw/ and logs/ into OUT/raw.tar.gz (scripts/bench-pack.sh; PACK=0 keeps
+# them). See benches/README.md. Every setting below can be overridden from the environment.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 
-KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/build/release/katablk-vhost} # server under test
+KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/target/release/katablk-vhost} # server under test
 QSD=${QSD:-qemu-storage-daemon}                  # the reference server
-KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/build/release/katablk-target} # the embedded target
-KATABLK_SPDK=${KATABLK_SPDK:-$ROOT/build-spdk/release/katablk-spdk} # SPDK bdevs + katablk vhost (server kspdk)
+KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/target/release/katablk-target} # the embedded target
+KATABLK_SPDK=${KATABLK_SPDK:-$ROOT/target/spdk/release/katablk-spdk} # SPDK bdevs + katablk vhost (server kspdk)
 SPDK_VHOST=${SPDK_VHOST:-}                       # SPDK's vhost app (server spdk), e.g. <spdk>/build/bin/vhost
 SPDK_MEM_MIB=${SPDK_MEM_MIB:-2048}               # -s of SPDK's vhost / katablk-spdk (hugepages)
 SPDK_CPUMASK=${SPDK_CPUMASK:-0x1}                # reactor mask of SPDK's vhost / katablk-spdk
@@ -144,7 +145,7 @@ for s in $SERVERS; do
             active+=(kspdk)
         else
             log "SKIPPING kspdk: katablk-spdk not found at $KATABLK_SPDK" \
-                "(SPDK_DIR=<spdk> CARGO_TARGET_DIR=build-spdk cargo build --release -p spdk-sys --features spdk)"
+                "(SPDK_DIR=<spdk> CARGO_TARGET_DIR=target/spdk cargo build --release -p spdk-sys --features spdk)"
             NOTES+=("kspdk side skipped: no katablk-spdk binary at $KATABLK_SPDK")
         fi
         ;;
@@ -579,5 +580,7 @@ note_args=()
 for n in "${NOTES[@]+"${NOTES[@]}"}"; do note_args+=(--note "$n"); done
 "$BENCH_BIN_DIR/katablk-bench-summary" "$OUT" --baseline "$BASELINE" --candidate "$CANDIDATE" "${note_args[@]+"${note_args[@]}"}"
 "$BENCH_BIN_DIR/katablk-bench-plot" "$OUT/summary.json" --out "$OUT"
+# Raw data into one archive for committing (PACK=0 keeps raw/ and logs/ as directories).
+[ "${PACK:-1}" = 0 ] || "$ROOT/scripts/bench-pack.sh" "$OUT"
 log "done: $OUT/summary.md"
 cat "$OUT/summary.md"

@@ -13,14 +13,14 @@
 # CANDIDATE=target. TB_* settings go to katablk-target-bench (TB=0 skips it).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/build}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 export SERVERS=${SERVERS:-"target katablk qsd"}
 export CASES=${CASES:-"aio-file lvol-file malloc lvol-ram thin-first-write"}
 export CANDIDATE=${CANDIDATE:-target}
 export NAME=${NAME:-target-$(date -u +%Y%m%d-%H%M%S)}
 export OUT=${OUT:-$ROOT/benches/results/$NAME}
 BENCH_BIN_DIR=${BENCH_BIN_DIR:-$CARGO_TARGET_DIR/release}
-KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/build/release/katablk-target}
+KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/target/release/katablk-target}
 TB=${TB:-1}
 TB_ITERATIONS=${TB_ITERATIONS:-50}     # create/delete cycles of the RPC latency test
 TB_CONTROLLERS=${TB_CONTROLLERS:-100}  # idle controllers
@@ -34,7 +34,8 @@ if [ "${BUILD:-1}" = 1 ]; then
     (cd "$ROOT" && cargo build --release -q -p katablk-bench -p katablk-target -p katablk-vhost)
 fi
 export BUILD=0
-"$ROOT/scripts/bench-compare.sh"
+pack=${PACK:-1}
+PACK=0 "$ROOT/scripts/bench-compare.sh"
 
 if [ "$TB" = 1 ]; then
     echo "[bench-target] katablk-target-bench: RPC latency and idle cost" >&2
@@ -43,6 +44,7 @@ if [ "$TB" = 1 ]; then
         --clients "$TB_CLIENTS" --clients-fallback "$TB_CLIENTS_FALLBACK"
         --idle-secs "$TB_IDLE_SECS" --target-args "$TB_ARGS"
         --json "$OUT/target-bench.json" --md "$OUT/target-bench.md")
+    mkdir -p "$OUT/logs"
     echo "+ ${cmd[*]}" >"$OUT/logs/target-bench.txt"
     "${cmd[@]}" >>"$OUT/logs/target-bench.txt" 2>&1 || {
         echo "[bench-target] katablk-target-bench failed: $(tail -3 "$OUT/logs/target-bench.txt")" >&2
@@ -51,4 +53,5 @@ if [ "$TB" = 1 ]; then
     { echo; cat "$OUT/target-bench.md"; } >>"$OUT/summary.md"
     cat "$OUT/target-bench.md"
 fi
+[ "$pack" = 0 ] || "$ROOT/scripts/bench-pack.sh" "$OUT"
 echo "[bench-target] done: $OUT/summary.md" >&2

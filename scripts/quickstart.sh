@@ -23,7 +23,7 @@ store="$dir/vhost-user"          # Kata's vhost_user_store_path
 kubelet="$dir/kubelet"
 mkdir -p "$store/block/sockets" "$store/block/devices" "$kubelet"
 cargo build --release -p katablk-target -p katablk-csi -p katablk-bench
-bin=build/release
+bin=target/release
 img="$dir/disk.img"
 [ -f "$img" ] || truncate -s "${size}M" "$img"
 sock="$dir/spdk.sock"

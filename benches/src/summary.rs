@@ -488,6 +488,58 @@ pub fn read_dir(dir: &Path) -> Result<Vec<BenchReport>> {
     Ok(out)
 }
 
+/// Name of the archive that holds a committed run's raw data (`raw/`, `logs/` and the like).
+pub const RAW_ARCHIVE: &str = "raw.tar.gz";
+
+/// Reads the `raw/*.json` results of a run's archive ([`RAW_ARCHIVE`], a gzip'd tar), sorted by
+/// file name like [`read_dir`], skipping entries that are not `katablk-bench` reports.
+pub fn read_archive(path: &Path) -> Result<Vec<BenchReport>> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(file));
+    let mut found: Vec<(String, Vec<u8>)> = Vec::new();
+    for entry in tar
+        .entries()
+        .with_context(|| format!("reading {}", path.display()))?
+    {
+        let mut entry = entry.with_context(|| format!("reading {}", path.display()))?;
+        let name = entry.path()?.to_string_lossy().into_owned();
+        let name = name.trim_start_matches("./");
+        let Some(file) = name.strip_prefix("raw/") else {
+            continue;
+        };
+        if file.contains('/') || !file.ends_with(".json") {
+            continue;
+        }
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut data)
+            .with_context(|| format!("reading {name} in {}", path.display()))?;
+        found.push((name.to_string(), data));
+    }
+    found.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = Vec::new();
+    for (name, data) in found {
+        match serde_json::from_slice::<BenchReport>(&data) {
+            Ok(r) => out.push(r),
+            Err(e) => tracing::warn!("skipping {name} in {}: {e}", path.display()),
+        }
+    }
+    Ok(out)
+}
+
+/// The results of a run directory: `DIR/raw/*.json` while the run is fresh, else its archive
+/// `DIR/raw.tar.gz` (how runs are committed), else `DIR/*.json`.
+pub fn read_run(dir: &Path) -> Result<Vec<BenchReport>> {
+    let raw = dir.join("raw");
+    let archive = dir.join(RAW_ARCHIVE);
+    if raw.is_dir() {
+        read_dir(&raw)
+    } else if archive.is_file() {
+        read_archive(&archive)
+    } else {
+        read_dir(dir)
+    }
+}
+
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     match v {
         Some(x) if x.is_finite() => format!("{x:.digits$}"),
@@ -822,6 +874,52 @@ mod tests {
         let rs = read_dir(dir.path()).unwrap();
         assert_eq!(rs.len(), 2);
         assert_eq!(rs[0].total.total.iops, 1.0);
+    }
+
+    #[test]
+    fn reads_a_committed_run_from_its_archive_like_its_raw_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("raw");
+        std::fs::create_dir(&raw).unwrap();
+        report("a", "w", "s2", 2.0, 1, 1.0)
+            .write_json(&raw.join("002.json"))
+            .unwrap();
+        report("a", "w", "s1", 1.0, 1, 1.0)
+            .write_json(&raw.join("001.json"))
+            .unwrap();
+        std::fs::write(raw.join("junk.json"), "{}").unwrap();
+        std::fs::create_dir(dir.path().join("logs")).unwrap();
+        std::fs::write(dir.path().join("logs/001.json"), "not a report").unwrap();
+        let fresh = read_run(dir.path()).unwrap();
+        assert_eq!(fresh.len(), 2);
+        // Packed as scripts/bench-compare.sh does it (`tar -czf raw.tar.gz raw logs`).
+        let st = std::process::Command::new("tar")
+            .args(["-czf", RAW_ARCHIVE, "raw", "logs"])
+            .current_dir(dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success());
+        std::fs::remove_dir_all(&raw).unwrap();
+        let packed = read_run(dir.path()).unwrap();
+        assert_eq!(packed, fresh);
+        assert_eq!(packed[0].total.total.iops, 1.0);
+    }
+
+    #[test]
+    fn every_committed_run_has_its_raw_data_in_one_archive() {
+        let results = Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
+        let mut runs = 0;
+        for e in std::fs::read_dir(&results).unwrap() {
+            let d = e.unwrap().path();
+            if !d.join("summary.json").is_file() {
+                continue;
+            }
+            runs += 1;
+            assert!(!d.join("raw").exists(), "{}: raw/ is not packed", d.display());
+            let rs = read_run(&d).unwrap();
+            assert!(!rs.is_empty(), "{}: no reports in its archive", d.display());
+        }
+        assert!(runs > 0);
     }
 
     #[test]

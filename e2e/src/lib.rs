@@ -31,8 +31,8 @@ pub fn repo_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// A binary of the workspace built in the same profile as the running test (`build/debug/NAME`
-/// next to `build/debug/deps/<this test>`), if it is there.
+/// A binary of the workspace built in the same profile as the running test (`target/debug/NAME`
+/// next to `target/debug/deps/<this test>`), if it is there.
 pub fn sibling_binary(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let bin = exe.parent()?.parent()?.join(name);

@@ -39,7 +39,7 @@ fn guest_e2e_under_qemu_tcg() {
     // The node stack, as the flow: CSI provision + publish, restart, expand, unpublish.
     run(
         "csi",
-        &["--out", "build/e2e/csi"],
+        &["--out", "target/e2e/csi"],
         &[
             ("KATABLK_TARGET", "katablk-target"),
             ("KATABLK_CSI", "katablk-csi"),
@@ -49,7 +49,7 @@ fn guest_e2e_under_qemu_tcg() {
     // A standalone katablk-vhost on a flat file: the host compares the guest's checksums.
     run(
         "vhost",
-        &["--out", "build/e2e/vhost", "--fio", "randread-4k-qd32"],
+        &["--out", "target/e2e/vhost", "--fio", "randread-4k-qd32"],
         &[("KATABLK_VHOST", "katablk-vhost")],
     );
 }

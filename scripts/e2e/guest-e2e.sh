@@ -25,7 +25,7 @@
 #   KATABLK_VHOST, KATABLK_TARGET, KATABLK_CSI, KATABLK_CSI_CTL   binaries (default: the build
 #                         directory's release or debug ones, else a release build)
 #   KATABLK_E2E_CACHE     see guest-assets.sh
-# Results: DIR (default build/e2e): results.json (per run: checks, fio summary), fio-q<N>-<job>.json
+# Results: DIR (default target/e2e): results.json (per run: checks, fio summary), fio-q<N>-<job>.json
 # (fio's JSON), console-q<N>.log (guest serial console), qemu-q<N>.log, server-*.log.
 # Exit status: 0 all passed; 77 assets unavailable (no Debian mirror); anything else failed.
 set -euo pipefail
@@ -35,7 +35,7 @@ repo=$(cd "$here/../.." && pwd)
 queues_list="1 2"
 fio_jobs=randread-4k-qd1,randread-4k-qd32,randwrite-4k-qd1,randwrite-4k-qd32,seqread-128k-qd8
 fio_runtime=5
-out=$repo/build/e2e
+out=$repo/target/e2e
 while [ $# -gt 0 ]; do
     case "$1" in
     --queues) queues_list=$2; shift 2 ;;
@@ -69,7 +69,7 @@ provider=${KATABLK_E2E_PROVIDER:-csi}
 # find_bin VAR BINARY PACKAGE: $VAR if set, else the build directory's release or debug binary,
 # else a release build of PACKAGE.
 find_bin() {
-    local var=$1 bin=$2 pkg=$3 tdir=${CARGO_TARGET_DIR:-$repo/build} p
+    local var=$1 bin=$2 pkg=$3 tdir=${CARGO_TARGET_DIR:-$repo/target} p
     if [ -z "${!var:-}" ]; then
         for p in release debug; do
             [ -x "$tdir/$p/$bin" ] && { printf -v "$var" %s "$tdir/$p/$bin"; break; }

@@ -11,7 +11,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-out=$repo/build/e2e/compare
+out=$repo/target/e2e/compare
 queues="1 2"
 runtime=5
 jobs=randread-4k-qd1,randread-4k-qd32,randwrite-4k-qd1,randwrite-4k-qd32,seqread-128k-qd8

@@ -16,7 +16,7 @@
 #
 # Without SPDK_VHOST (or when it does not exist, or not root) it prints "SKIP: ..." and exits 0.
 # Prints a PASS/FAIL line per check and "N passed, N failed"; exits 1 if any check failed.
-# Environment: KATABLK_BIN_DIR (default build/debug) or KATABLK_CSI, KATABLK_CSI_CTL,
+# Environment: KATABLK_BIN_DIR (default target/debug) or KATABLK_CSI, KATABLK_CSI_CTL,
 # KATABLK_BENCH (must know --align-2m); SPDK_VHOST_ARGS (default "-m 0x1 -s 512");
 # KEEP=1 keeps the scratch directory (logs: vhost.log, csi.log).
 # Snapshots, clones and filesystem volumes on SPDK's vhost: csi/tests/spdk_vhost.rs.
@@ -43,7 +43,7 @@ if [ "$(id -u)" != 0 ]; then
     exit 0
 fi
 
-bindir=${KATABLK_BIN_DIR:-$repo/build/debug}
+bindir=${KATABLK_BIN_DIR:-$repo/target/debug}
 csi_bin=${KATABLK_CSI:-$bindir/katablk-csi}
 ctl_bin=${KATABLK_CSI_CTL:-$bindir/katablk-csi-ctl}
 bench_bin=${KATABLK_BENCH:-$bindir/katablk-bench}

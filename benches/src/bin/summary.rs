@@ -11,7 +11,8 @@ use std::process::ExitCode;
 #[derive(Debug, Parser)]
 #[command(name = "katablk-bench-summary", version)]
 struct Args {
-    /// Results directory: raw reports are read from DIR/raw (or DIR itself).
+    /// Results directory: raw reports are read from DIR/raw, else from the archive
+    /// DIR/raw.tar.gz (committed runs), else from DIR itself.
     dir: PathBuf,
     /// Server the ratios are relative to (denominator).
     #[arg(long, default_value = "qsd")]
@@ -25,11 +26,9 @@ struct Args {
 }
 
 fn run(args: &Args) -> Result<()> {
-    let raw = args.dir.join("raw");
-    let src = if raw.is_dir() { raw } else { args.dir.clone() };
-    let reports = summary::read_dir(&src)?;
+    let reports = summary::read_run(&args.dir)?;
     if reports.is_empty() {
-        bail!("no katablk-bench JSON reports in {}", src.display());
+        bail!("no katablk-bench JSON reports in {}", args.dir.display());
     }
     let name = args
         .dir

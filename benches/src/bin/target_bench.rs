@@ -55,7 +55,7 @@ struct RpcArgs {
 #[derive(Debug, ClapArgs)]
 struct RunArgs {
     /// Start this katablk-target binary (with a private socket directory); default when
-    /// --rpc is not given: build/release/katablk-target next to this binary.
+    /// --rpc is not given: target/release/katablk-target next to this binary.
     #[arg(long)]
     target: Option<PathBuf>,
     /// Attach to a running target's RPC socket instead of starting one (needs --pid and

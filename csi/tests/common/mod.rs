@@ -26,7 +26,7 @@ pub fn target_bin() -> PathBuf {
         cands.push(Path::new(&t).join("debug/katablk-target"));
     }
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    cands.push(here.join("../build/debug/katablk-target"));
+    cands.push(here.join("../target/debug/katablk-target"));
     // Next to this test binary: <target-dir>/debug/deps/<test> → <target-dir>/debug/.
     if let Ok(exe) = std::env::current_exe() {
         if let Some(d) = exe.parent().and_then(Path::parent) {
