@@ -307,6 +307,25 @@ impl Drop for BlkBackend {
     }
 }
 
+/// How far into the device config a frontend may read (zeroes past [`CONFIG_SPACE_LEN`]).
+const CONFIG_WINDOW: usize = 256;
+
+/// The config offset of a GET_CONFIG / SET_CONFIG message, 0-based. Frontends count it two ways:
+/// from 0, as the vhost-user spec says (QEMU, libblkio, SPDK's initiators), or from rust-vmm's
+/// `VHOST_USER_CONFIG_OFFSET` (0x100, where the device config starts in a virtio-pci common
+/// config window): Dragonball's vhost-user-blk frontend in Kata (`dbs_virtio_devices`) and
+/// cloud-hypervisor before 2026 send 0x100 for the first byte. The virtio-blk config is 60 bytes
+/// and the window 256, so an offset of 0x100 or more can only mean the second convention.
+fn config_offset(offset: u32) -> usize {
+    let off = offset as usize;
+    let base = vhost::vhost_user::message::VHOST_USER_CONFIG_OFFSET as usize;
+    if off >= base {
+        off - base
+    } else {
+        off
+    }
+}
+
 impl VhostUserBackendReqHandlerMut for BlkBackend {
     fn set_owner(&mut self) -> VuResult<()> {
         if self.owned {
@@ -516,8 +535,8 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         _flags: VhostUserConfigFlags,
     ) -> VuResult<Vec<u8>> {
         let cfg = self.config();
-        let (off, size) = (offset as usize, size as usize);
-        if off.checked_add(size).is_none_or(|e| e > 256) {
+        let (off, size) = (config_offset(offset), size as usize);
+        if off.checked_add(size).is_none_or(|e| e > CONFIG_WINDOW) {
             return Err(VuError::InvalidParam);
         }
         let mut out = vec![0u8; size];
@@ -535,7 +554,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     ) -> VuResult<()> {
         // Only the writeback byte (offset 32) is writable.
         const WCE: usize = 32;
-        let off = offset as usize;
+        let off = config_offset(offset);
         if off <= WCE && off + buf.len() > WCE {
             let wb = buf[WCE - off] != 0;
             self.shared.writeback.store(wb, Ordering::Relaxed);
