@@ -915,7 +915,11 @@ mod tests {
                 continue;
             }
             runs += 1;
-            assert!(!d.join("raw").exists(), "{}: raw/ is not packed", d.display());
+            assert!(
+                !d.join("raw").exists(),
+                "{}: raw/ is not packed",
+                d.display()
+            );
             let rs = read_run(&d).unwrap();
             assert!(!rs.is_empty(), "{}: no reports in its archive", d.display());
         }

@@ -74,6 +74,8 @@ pub struct Config {
     pub reconcile_interval: Duration,
     /// JSON-RPC call timeout.
     pub rpc_timeout: Duration,
+    /// Whether Block publications prepare kubelet's loop-device lock ([`crate::kubelet_lock`]).
+    pub kubelet_block_lock: crate::kubelet_lock::LockMode,
 }
 
 impl Config {
@@ -92,6 +94,7 @@ impl Config {
             state_dir: "/var/lib/katablk-csi".into(),
             reconcile_interval: Duration::from_secs(10),
             rpc_timeout: Duration::from_secs(30),
+            kubelet_block_lock: crate::kubelet_lock::LockMode::Kubelet,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! - [`identity`], [`controller`], [`node`]: the three CSI services (gRPC glue + logic).
 //! - [`kata`]: the vhost-user store layout and direct-assigned volume `mountInfo.json`.
 //! - [`mounts`], [`format`]: bind mounts; formatting through the controller socket.
+//! - [`kubelet_lock`]: the loop device kubelet's Block volume mapping looks for.
 //! - [`volume`], [`volume_lock`]: ids, names, path validation; per-volume serialisation.
 //! - [`node_config`], [`reconcile`], [`state`]: declared storage, restart repair, state files.
 //! - [`metrics`], [`error`], [`driver`]: Prometheus counters, CSI error codes, the server.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod format;
 pub mod identity;
 pub mod kata;
+pub mod kubelet_lock;
 pub mod metrics;
 pub mod mounts;
 pub mod node;

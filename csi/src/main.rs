@@ -48,6 +48,11 @@ struct Args {
     /// Seconds between reconciliation passes (and node config polls).
     #[arg(long, default_value_t = 10)]
     reconcile_interval: u64,
+    /// Block volumes: prepare the loop device kubelet's mapping locks the volume with
+    /// (`kubelet`: target paths must follow kubelet's layout), or not (`off`: for callers that
+    /// are not kubelet).
+    #[arg(long, value_enum, default_value_t = katablk_csi::kubelet_lock::LockMode::Kubelet)]
+    kubelet_block_lock: katablk_csi::kubelet_lock::LockMode,
     /// Prometheus metrics address, e.g. 0.0.0.0:9808.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -83,6 +88,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.kubelet_dir = a.kubelet_dir;
     cfg.direct_volumes_dir = a.direct_volumes_dir;
     cfg.state_dir = a.state_dir;
+    cfg.kubelet_block_lock = a.kubelet_block_lock;
     cfg.reconcile_interval = Duration::from_secs(a.reconcile_interval.max(1));
     let driver = Driver::new(cfg).context("starting the driver")?;
     tokio::spawn(katablk_csi::reconcile::run(driver.clone()));

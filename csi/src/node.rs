@@ -22,6 +22,7 @@ use crate::csi::{self, node_service_capability as nsc, volume_capability as vc};
 use crate::driver::{bdev_size, Driver};
 use crate::error::{CsiError, Result};
 use crate::kata::{self, MountInfo};
+use crate::kubelet_lock::{self, LockMode};
 use crate::mounts;
 use crate::state::Publication;
 use crate::volume::{check_socket_path, require_id, validate_path, LvolId};
@@ -248,6 +249,14 @@ impl NodeService {
             }
         }
         let cpumask = r.volume_context.get(params::CPUMASK).cloned();
+        // kubelet's map file, checked before anything is changed: a Block target path that does
+        // not follow kubelet's layout is refused while the lock is on.
+        let kubelet_map = match (&fstype, self.d.cfg.kubelet_block_lock) {
+            (None, LockMode::Kubelet) => {
+                Some(kubelet_lock::map_file(&self.d.cfg.kubelet_dir, &target)?)
+            }
+            _ => None,
+        };
         let mut rec = Publication {
             target_path: target.clone(),
             ctrlr: ctrlr.clone(),
@@ -255,6 +264,7 @@ impl NodeService {
             readonly,
             fstype: fstype.clone(),
             cpumask: cpumask.clone(),
+            kubelet_map: kubelet_map.clone(),
         };
         // Record first: if anything below fails, reconciliation and unpublish know what to
         // clean up.
@@ -272,6 +282,9 @@ impl NodeService {
                 }
                 let dev = self.d.store.device_path(&ctrlr);
                 publish_block_target(&dev, &target, readonly)?;
+                if let Some(map) = &kubelet_map {
+                    kubelet_lock::prepare(map, &id.alias())?;
+                }
                 tracing::info!(volume_id = %id, target = %target.display(), minor, readonly,
                     "block volume published");
             }
@@ -354,10 +367,27 @@ impl NodeService {
             )));
         };
         let _g = self.d.locks.lock(&id.alias()).await;
+        let rec = self
+            .d
+            .state
+            .published
+            .get(&id.alias())
+            .filter(|p| p.target_path == target);
+        // kubelet's unmap normally released its lock already; what is left of ours goes now.
+        let map = rec
+            .as_ref()
+            .and_then(|p| p.kubelet_map.clone())
+            .or_else(|| {
+                (self.d.cfg.kubelet_block_lock == LockMode::Kubelet)
+                    .then(|| kubelet_lock::map_file(&self.d.cfg.kubelet_dir, &target).ok())
+                    .flatten()
+            });
+        if let Some(map) = &map {
+            kubelet_lock::release(map)?;
+        }
         remove_target(&target)?;
         kata::remove_mount_info(&self.d.cfg.direct_volumes_dir, &target)?;
-        let rec = self.d.state.published.get(&id.alias());
-        if let Some(p) = rec.filter(|p| p.target_path == target) {
+        if let Some(p) = rec {
             delete_controller(&self.d, &p.ctrlr).await?;
             self.d.store.remove_device_node(&p.ctrlr)?;
             self.d.state.published.remove(&id.alias())?;
@@ -447,6 +477,18 @@ impl NodeService {
             }
             if !mounts::is_mount_point(path)? {
                 return Ok(abnormal(format!("{} is not mounted", path.display())));
+            }
+            if let Some(map) = &p.kubelet_map {
+                let mapped = std::fs::metadata(map).is_ok_and(|m| {
+                    use std::os::unix::fs::FileTypeExt;
+                    m.file_type().is_block_device()
+                });
+                if !mapped && kubelet_lock::loops_of(map).is_empty() {
+                    return Ok(abnormal(format!(
+                        "kubelet's lock for {} is missing (no loop device, not mapped)",
+                        map.display()
+                    )));
+                }
             }
         }
         Ok(csi::VolumeCondition {

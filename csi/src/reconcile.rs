@@ -8,6 +8,9 @@
 //!   it; unpublish cleans it up).
 //! - Controllers named `ctrlr-*` (this driver's prefix) that no record mentions are deleted;
 //!   so are `ctrlr-*` device nodes without a record. Others' controllers and nodes are left.
+//! - kubelet locks ([`crate::kubelet_lock`]): a recorded Block publication gets its loop device
+//!   back if it lost it; loop devices of this driver on map files no record wants (and kubelet
+//!   does not map) are detached. Loop devices of others are never touched.
 
 use std::sync::Arc;
 
@@ -29,6 +32,8 @@ pub struct Report {
     pub missing_volumes: Vec<String>,
     /// Unrecorded controllers kept because something uses them.
     pub kept_in_use: Vec<String>,
+    /// kubelet map files whose loop device of ours was detached (no publication wants them).
+    pub orphan_locks: Vec<std::path::PathBuf>,
 }
 
 /// Controller names referenced by `mountInfo.json` files in the direct-volumes directory.
@@ -117,7 +122,33 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
             }
             if p.target_path.parent().is_some_and(|x| x.exists()) {
                 publish_block_target(&d.store.device_path(&p.ctrlr), &p.target_path, p.readonly)?;
+                if let Some(map) = &p.kubelet_map {
+                    if let Err(e) = crate::kubelet_lock::prepare(map, vid) {
+                        tracing::warn!(volume_id = %vid, map = %map.display(), error = %e,
+                            "cannot restore kubelet's lock");
+                    }
+                }
             }
+        }
+    }
+
+    if d.cfg.kubelet_block_lock == crate::kubelet_lock::LockMode::Kubelet {
+        for (map, alias) in crate::kubelet_lock::unmapped_locks(&d.cfg.kubelet_dir) {
+            // Under the volume's lock: a publish records its map file before attaching.
+            let _g = d.locks.lock(&alias).await;
+            let wanted = d
+                .state
+                .published
+                .get(&alias)
+                .is_some_and(|p| p.kubelet_map.as_deref() == Some(map.as_path()));
+            if wanted {
+                continue;
+            }
+            crate::kubelet_lock::release(&map)?;
+            tracing::info!(map = %map.display(), volume_id = %alias,
+                "released an orphaned kubelet lock");
+            d.metrics.reconciled("orphan_kubelet_lock_released");
+            rep.orphan_locks.push(map);
         }
     }
 

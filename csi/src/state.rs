@@ -31,6 +31,10 @@ pub struct Publication {
     /// `cpumask` for the controller.
     #[serde(default)]
     pub cpumask: Option<String>,
+    /// kubelet's map file whose loop-device lock this publication prepared (Block volumes with
+    /// `--kubelet-block-lock=kubelet`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubelet_map: Option<PathBuf>,
 }
 
 /// Metadata of one snapshot.
@@ -143,6 +147,7 @@ mod tests {
             readonly: false,
             fstype: None,
             cpumask: None,
+            kubelet_map: Some("/k/dev/pod".into()),
         };
         s.published.insert("lvs/v", p.clone()).unwrap();
         s.published.remove("nope").unwrap();

@@ -1036,6 +1036,8 @@ async fn binary_serves_csi_and_metrics() {
         .arg(&nc)
         .arg("--kubelet-dir")
         .arg(root.join("kubelet"))
+        .arg("--kubelet-block-lock")
+        .arg("off")
         .arg("--direct-volumes-dir")
         .arg(root.join("direct"))
         .arg("--state-dir")

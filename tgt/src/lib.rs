@@ -12,12 +12,12 @@
 #![deny(missing_docs)]
 
 pub mod bdevs;
-pub mod state;
 pub mod cpumask;
 pub mod error;
 pub mod metrics;
 pub mod persist;
 pub mod rpc;
+pub mod state;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -8,8 +8,8 @@ use katablk_rpc::methods::*;
 use katablk_rpc::{Router, SpdkError};
 use tokio::sync::Notify;
 
-use crate::state::{LvolOp, Target};
 use crate::persist::{StateDir, SUBSYSTEMS};
+use crate::state::{LvolOp, Target};
 
 /// Shared by every handler.
 #[derive(Clone)]

@@ -2,6 +2,7 @@
 //! socket, a tonic client over that socket, and a libblkio client for the data path.
 #![allow(clippy::unwrap_used, dead_code)]
 
+use katablk_csi::kubelet_lock::LockMode;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -165,7 +166,14 @@ impl Env {
     }
 
     /// The same on SPDK's vhost app (`Some(path of build/bin/vhost)`) or katablk-target (`None`).
+    /// Block target paths here are not kubelet's (`target_path`), so kubelet's lock is off;
+    /// `start_with` turns it on.
     pub async fn start_on(spdk_vhost: Option<&Path>) -> Env {
+        Self::start_with(spdk_vhost, LockMode::Off).await
+    }
+
+    /// The same with kubelet's loop-device lock for Block volumes set to `lock`.
+    pub async fn start_with(spdk_vhost: Option<&Path>, lock: LockMode) -> Env {
         let dir = tempfile::Builder::new()
             .prefix("kcsi")
             .tempdir_in("/tmp")
@@ -197,6 +205,7 @@ impl Env {
         cfg.kubelet_dir = root.join("kubelet");
         cfg.direct_volumes_dir = root.join("direct");
         cfg.state_dir = root.join("state");
+        cfg.kubelet_block_lock = lock;
         std::fs::create_dir_all(&cfg.kubelet_dir).unwrap();
         let driver = Driver::new(cfg).unwrap();
         let mut w = katablk_csi::node_config::Watcher::new(nc);
