@@ -49,7 +49,7 @@ wait_sock "$csi"
 ctl() { "$bin/katablk-csi-ctl" --endpoint "unix://$csi" "$@"; }
 ctl probe
 # CreateVolume (idempotent by name) and NodePublishVolume, as the provisioner and kubelet do.
-read -r vol cap < <(ctl create pvc-quickstart 256 -p thinProvision=true)
+read -r vol cap _ < <(ctl create pvc-quickstart 256 -p thinProvision=true)
 echo "volume $vol ($cap bytes)"
 target="$kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-quickstart/dev"
 mkdir -p "$(dirname "$target")"

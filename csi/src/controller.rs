@@ -31,6 +31,12 @@ pub mod params {
     pub const CPUMASK: &str = "cpumask";
     /// Filesystem for mount volumes.
     pub const FSTYPE: &str = "csi.storage.k8s.io/fstype";
+    /// The Kata runtime of Filesystem volumes: `go` or `rs` (default: the node's
+    /// `--kata-runtime`).
+    pub const KATA_RUNTIME: &str = "kataRuntime";
+    /// `"true"`: a Filesystem volume for runtime-rs handed over unformatted, for a container
+    /// mount under `/dev` (runtime-rs then bind-mounts the guest's block device there).
+    pub const RAW_BLOCK: &str = "rawBlock";
 }
 
 /// Parsed StorageClass parameters.
@@ -46,6 +52,10 @@ pub struct ClassParams {
     pub cpumask: Option<String>,
     /// Filesystem type.
     pub fstype: Option<String>,
+    /// Kata runtime (None: the node's default).
+    pub kata_runtime: Option<crate::kata::KataRuntime>,
+    /// Unformatted hand-over for runtime-rs.
+    pub raw_block: bool,
 }
 
 fn parse_bool(k: &str, v: &str) -> Result<bool> {
@@ -97,6 +107,8 @@ impl ClassParams {
                 params::CLEAR,
                 params::CPUMASK,
                 params::FSTYPE,
+                params::KATA_RUNTIME,
+                params::RAW_BLOCK,
             ]
             .contains(&k.as_str());
             if !known && !k.starts_with("csi.storage.k8s.io/") {
@@ -145,13 +157,71 @@ impl ClassParams {
             }
             None => None,
         };
+        let kata_runtime = p
+            .get(params::KATA_RUNTIME)
+            .map(|v| crate::kata::KataRuntime::parse(v))
+            .transpose()?;
+        let raw_block = match p.get(params::RAW_BLOCK) {
+            Some(v) => parse_bool(params::RAW_BLOCK, v)?,
+            None => false,
+        };
+        if raw_block && kata_runtime != Some(crate::kata::KataRuntime::Rs) {
+            return Err(CsiError::InvalidArgument(format!(
+                "{}: true needs {}: rs (it is runtime-rs' way to a raw device; Kata's Go \
+                 runtime takes Block PVs)",
+                params::RAW_BLOCK,
+                params::KATA_RUNTIME
+            )));
+        }
+        if let (Some(rt), Some(fs)) = (kata_runtime, &fstype) {
+            if let Some(why) = rt.refuses(fs, raw_block) {
+                return Err(CsiError::InvalidArgument(why));
+            }
+        }
         Ok(Self {
             lvs: lvs.to_owned(),
             thin,
             clear,
             cpumask,
             fstype,
+            kata_runtime,
+            raw_block,
         })
+    }
+}
+
+impl ClassParams {
+    /// Refuses capabilities the class's Kata runtime cannot take: a Filesystem type
+    /// runtime-rs does not mount, a Block volume for runtime-rs (it has no vhost-user for
+    /// container devices), and a raw hand-over asked for as anything but a Filesystem volume.
+    pub fn check_capabilities(&self, caps: &[csi::VolumeCapability]) -> Result<()> {
+        let Some(rt) = self.kata_runtime else {
+            return Ok(());
+        };
+        for c in caps {
+            match &c.access_type {
+                Some(vc::AccessType::Mount(m)) => {
+                    let fs = if m.fs_type.is_empty() {
+                        self.fstype.as_deref().unwrap_or("ext4")
+                    } else {
+                        &m.fs_type
+                    };
+                    if let Some(why) = rt.refuses(fs, self.raw_block) {
+                        return Err(CsiError::InvalidArgument(why));
+                    }
+                }
+                Some(vc::AccessType::Block(_)) if rt == crate::kata::KataRuntime::Rs => {
+                    return Err(CsiError::InvalidArgument(
+                        "Kata runtime-rs cannot attach Block PVs (it looks container devices \
+                         up in /sys/dev/block, where a vhost-user-blk node has no entry): use \
+                         a Filesystem PV, with rawBlock: \"true\" for the raw device"
+                            .into(),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 
@@ -316,6 +386,12 @@ impl ControllerService {
             if let Some(f) = &p.fstype {
                 ctx.insert("fstype".into(), f.clone());
             }
+            if let Some(r) = p.kata_runtime {
+                ctx.insert(params::KATA_RUNTIME.into(), r.as_str().into());
+            }
+            if p.raw_block {
+                ctx.insert(params::RAW_BLOCK.into(), "true".into());
+            }
         }
         csi::Volume {
             capacity_bytes: bdev_size(b) as i64,
@@ -351,6 +427,7 @@ impl ControllerService {
         }
         check_capabilities(&r.volume_capabilities)?;
         let p = ClassParams::parse(&r.parameters, self.d.cfg.lvs.as_deref())?;
+        p.check_capabilities(&r.volume_capabilities)?;
         if !self.topology_ok(r.accessibility_requirements.as_ref()) {
             return Err(CsiError::ResourceExhausted(format!(
                 "requisite topology does not include node {}",
@@ -1090,6 +1167,23 @@ mod tests {
             &[("spdk", "true"), ("cpumask", "zz")],
             &[("spdk", "true"), ("typo", "1")],
             &[("spdk", "false")],
+            &[("spdk", "true"), ("kataRuntime", "java")],
+            &[("spdk", "true"), ("rawBlock", "true")],
+            &[
+                ("spdk", "true"),
+                ("kataRuntime", "go"),
+                ("rawBlock", "true"),
+            ],
+            &[
+                ("spdk", "true"),
+                ("kataRuntime", "rs"),
+                ("rawBlock", "sometimes"),
+            ],
+            &[
+                ("spdk", "true"),
+                ("kataRuntime", "rs"),
+                ("csi.storage.k8s.io/fstype", "xfs"),
+            ],
         ] {
             assert!(
                 ClassParams::parse(&m(bad), Some("lvs0")).is_err(),
@@ -1098,6 +1192,56 @@ mod tests {
         }
         assert!(ClassParams::parse(&m(&[("spdk", "true")]), None).is_err());
         assert!(valid_cpumask("[0,2-3]"));
+        let rs = ClassParams::parse(
+            &m(&[
+                ("spdk", "true"),
+                ("kataRuntime", "rs"),
+                ("rawBlock", "true"),
+            ]),
+            Some("lvs0"),
+        )
+        .unwrap();
+        assert_eq!(rs.kata_runtime, Some(crate::kata::KataRuntime::Rs));
+        assert!(rs.raw_block);
+    }
+
+    #[test]
+    fn class_runtime_refuses_capabilities() {
+        let cap = |t| csi::VolumeCapability {
+            access_type: Some(t),
+            access_mode: Some(csi::volume_capability::AccessMode {
+                mode: vc::access_mode::Mode::SingleNodeWriter as i32,
+            }),
+        };
+        let mount = |fs: &str| {
+            cap(vc::AccessType::Mount(vc::MountVolume {
+                fs_type: fs.into(),
+                ..Default::default()
+            }))
+        };
+        let block = cap(vc::AccessType::Block(vc::BlockVolume {}));
+        let p = |kv: &[(&str, &str)]| ClassParams::parse(&m(kv), Some("lvs0")).unwrap();
+        let rs = p(&[("spdk", "true"), ("kataRuntime", "rs")]);
+        assert!(rs.check_capabilities(&[mount("ext4")]).is_ok());
+        assert!(rs.check_capabilities(&[mount("")]).is_ok());
+        let e = rs.check_capabilities(&[mount("xfs")]).unwrap_err();
+        assert!(e.to_string().contains("runtime-rs"), "{e}");
+        let e = rs
+            .check_capabilities(std::slice::from_ref(&block))
+            .unwrap_err();
+        assert!(e.to_string().contains("rawBlock"), "{e}");
+        let raw = p(&[
+            ("spdk", "true"),
+            ("kataRuntime", "rs"),
+            ("rawBlock", "true"),
+        ]);
+        assert!(raw.check_capabilities(&[mount("xfs")]).is_ok());
+        let go = p(&[("spdk", "true"), ("kataRuntime", "go")]);
+        assert!(go
+            .check_capabilities(&[mount("xfs"), block.clone()])
+            .is_ok());
+        let none = p(&[("spdk", "true")]);
+        assert!(none.check_capabilities(&[mount("xfs"), block]).is_ok());
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct Config {
     pub rpc_timeout: Duration,
     /// Whether Block publications prepare kubelet's loop-device lock ([`crate::kubelet_lock`]).
     pub kubelet_block_lock: crate::kubelet_lock::LockMode,
+    /// The Kata runtime Filesystem volumes are written for unless their StorageClass says
+    /// (`kataRuntime`).
+    pub kata_runtime: crate::kata::KataRuntime,
 }
 
 impl Config {
@@ -95,6 +98,7 @@ impl Config {
             reconcile_interval: Duration::from_secs(10),
             rpc_timeout: Duration::from_secs(30),
             kubelet_block_lock: crate::kubelet_lock::LockMode::Kubelet,
+            kata_runtime: crate::kata::KataRuntime::Go,
         }
     }
 }
@@ -147,7 +151,7 @@ impl Driver {
             .timeout(cfg.rpc_timeout)
             .connect_timeout(Duration::from_secs(2))
             .build();
-        Ok(Arc::new(Self {
+        let d = Arc::new(Self {
             cfg,
             rpc,
             locks: VolumeLocks::new(),
@@ -155,7 +159,9 @@ impl Driver {
             state,
             store,
             minors: tokio::sync::Mutex::new(()),
-        }))
+        });
+        d.refresh_published_gauge();
+        Ok(d)
     }
 
     /// This node's topology segment.
@@ -163,6 +169,23 @@ impl Driver {
         csi::Topology {
             segments: [(TOPOLOGY_KEY.to_owned(), self.cfg.node_id.clone())].into(),
         }
+    }
+
+    /// Updates the published-volume gauges from the state file.
+    pub fn refresh_published_gauge(&self) {
+        let mut by: std::collections::BTreeMap<&'static str, u64> = Default::default();
+        let mut locks = 0;
+        for p in self.state.published.all().values() {
+            let h = match p.runtime() {
+                None => "block_device_node",
+                Some(crate::kata::KataRuntime::Go) => "direct_go",
+                Some(crate::kata::KataRuntime::Rs) if p.raw_block => "direct_rs_raw",
+                Some(crate::kata::KataRuntime::Rs) => "direct_rs",
+            };
+            *by.entry(h).or_default() += 1;
+            locks += u64::from(p.kubelet_map.is_some());
+        }
+        self.metrics.set_published(by, locks);
     }
 
     /// Logs a finished call, records metrics and converts the result.

@@ -1,12 +1,26 @@
 //! Kata Containers' side of a volume: the vhost-user store (`block/sockets/<name>` and
 //! `block/devices/<name>`, block major 241 with a unique minor) and direct-assigned volumes
 //! (`<direct-volumes>/<base64url(volume path)>/mountInfo.json`).
+//!
+//! The two Kata runtimes read a direct volume differently, so its `mountInfo.json` is written
+//! for one of them ([`KataRuntime`]):
+//! - the Go runtime (`src/runtime/virtcontainers/container.go`, `createMounts`) ignores
+//!   `volume-type`, stats `device`, and turns a block device of major 241 into a vhost-user-blk
+//!   device through the store (`src/runtime/pkg/device/config/config.go`,
+//!   `getVhostUserHostPath`: the node in `block/devices/` with that major:minor names the
+//!   socket in `block/sockets/`); the guest mounts it with `fstype` and `options`
+//!   (`kata_agent.go`, `handleVhostUserBlkVolume`). So `device` is the 241 node.
+//! - runtime-rs (`src/runtime-rs/crates/resource/src/volume/direct_volumes/spdk_volume.rs`)
+//!   takes `volume-type: spdkvol` with `device` = the socket (it must stat as a socket), reads
+//!   `num_queues`/`queue_size` from `metadata`, and mounts ext4 whatever `fstype` says, because
+//!   CRI hands CSI volumes over as bind mounts; a container mount under `/dev` gets the guest's
+//!   block device itself (storage type `bind`).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::io::Write as _;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
@@ -20,6 +34,73 @@ pub const VHOST_USER_BLK_MAJOR: u32 = 241;
 
 /// Minors available for device nodes (Linux minors are 20 bits).
 pub const MAX_MINOR: u32 = (1 << 20) - 1;
+
+/// The mode of the store's device nodes: read and write for owner and group, as the Go
+/// runtime's documentation creates them (`mknod -m 0660`).
+pub const DEVICE_NODE_MODE: u32 = 0o660;
+
+/// The mode of a direct volume's directory: Kata's own `direct-volume add` uses 0700
+/// (`src/runtime/pkg/direct-volume/utils.go`, `Add`).
+pub const DIRECT_VOLUME_DIR_MODE: u32 = 0o700;
+
+/// The only filesystem runtime-rs mounts a direct volume with (`DEFAULT_VOLUME_FS_TYPE`).
+pub const RUNTIME_RS_FSTYPE: &str = "ext4";
+
+/// The Kata runtime a Filesystem volume's `mountInfo.json` is written for.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum KataRuntime {
+    /// The Go runtime (`containerd-shim-kata-v2` of `src/runtime`; kata-qemu): `device` is the
+    /// store's 241 device node, any filesystem the guest kernel mounts.
+    #[default]
+    Go,
+    /// runtime-rs (`src/runtime-rs`; kata-dragonball): `volume-type: spdkvol`, `device` is the
+    /// socket; ext4 only, or the raw device under `/dev`.
+    Rs,
+}
+
+impl KataRuntime {
+    /// The name used in flags, StorageClass parameters and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Go => "go",
+            Self::Rs => "rs",
+        }
+    }
+
+    /// Parses a StorageClass / volume context value.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "go" => Ok(Self::Go),
+            "rs" => Ok(Self::Rs),
+            _ => Err(CsiError::InvalidArgument(format!(
+                "kataRuntime {s:?}: use go (Kata's Go runtime, e.g. kata-qemu) or rs \
+                 (runtime-rs, e.g. kata-dragonball)"
+            ))),
+        }
+    }
+
+    /// Why this runtime cannot take a Filesystem volume of `fstype` (`raw`: handed over
+    /// unformatted), if it cannot.
+    pub fn refuses(self, fstype: &str, raw: bool) -> Option<String> {
+        match self {
+            Self::Go if raw => Some(
+                "rawBlock is for Kata runtime-rs; Kata's Go runtime takes raw volumes as \
+                 Block PVs (volumeMode: Block)"
+                    .into(),
+            ),
+            Self::Rs if !raw && fstype != RUNTIME_RS_FSTYPE => Some(format!(
+                "Kata runtime-rs mounts direct volumes as {RUNTIME_RS_FSTYPE} whatever \
+                 mountInfo.json says (CRI bind-mounts CSI volumes and spdk_volume.rs uses \
+                 DEFAULT_VOLUME_FS_TYPE for bind mounts), so fsType {fstype} would not mount: \
+                 use fsType {RUNTIME_RS_FSTYPE}, or kataRuntime go"
+            )),
+            _ => None,
+        }
+    }
+}
 
 /// The vhost-user store directory layout.
 #[derive(Debug, Clone)]
@@ -138,30 +219,88 @@ pub fn mknod_block(path: &Path, major: u32, minor: u32) -> Result<()> {
     let r = unsafe {
         libc::mknod(
             c.as_ptr(),
-            libc::S_IFBLK | 0o660,
+            libc::S_IFBLK | DEVICE_NODE_MODE,
             libc::makedev(major, minor),
         )
     };
     if r != 0 {
         return Err(CsiError::io("mknod", path, std::io::Error::last_os_error()));
     }
-    Ok(())
+    // mknod applies the umask (0022 makes 0640): set the mode itself.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(DEVICE_NODE_MODE))
+        .map_err(|e| CsiError::io("chmod", path, e))
 }
 
-/// The `mountInfo.json` of a Kata direct-assigned volume (hyphenated keys are what Kata reads).
+/// The `mountInfo.json` of a Kata direct-assigned volume (hyphenated keys are what Kata reads;
+/// `metadata` and `options` are left out when empty, as Go's `omitempty` writes them).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MountInfo {
-    /// `spdkvol`: runtime-rs attaches `device` as a vhost-user-blk socket.
+    /// `spdkvol` (runtime-rs attaches `device` as a vhost-user-blk socket) or `block` (the Go
+    /// runtime, which does not read it).
     #[serde(rename = "volume-type")]
     pub volume_type: String,
-    /// The vhost-user socket path.
+    /// The vhost-user socket (runtime-rs) or the store's 241 device node (Go runtime).
     pub device: String,
     /// Filesystem the guest mounts.
     pub fstype: String,
-    /// Extra attributes (`num_queues`, `queue_size`, `volume_id`).
+    /// Extra attributes (runtime-rs: `num_queues`, `queue_size`; ours: `volume-id`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
     /// Mount options (e.g. `ro`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub options: Vec<String>,
+}
+
+/// `volume-type` of runtime-rs' vhost-user-blk direct volumes.
+pub const SPDK_VOLUME_TYPE: &str = "spdkvol";
+
+/// `volume-type` written for the Go runtime (which does not read it; Kata's documentation
+/// uses `block`).
+pub const BLOCK_VOLUME_TYPE: &str = "block";
+
+impl MountInfo {
+    /// The `mountInfo.json` that `runtime` reads for controller `ctrlr` of volume `alias`.
+    /// `fstype` is what the guest mounts (runtime-rs with `raw`: `bind`, the device itself).
+    pub fn for_runtime(
+        runtime: KataRuntime,
+        store: &Store,
+        ctrlr: &str,
+        alias: &str,
+        fstype: &str,
+        raw: bool,
+        options: Vec<String>,
+    ) -> Self {
+        match runtime {
+            KataRuntime::Go => Self {
+                volume_type: BLOCK_VOLUME_TYPE.into(),
+                device: store.device_path(ctrlr).display().to_string(),
+                fstype: fstype.into(),
+                // The Go runtime warns about every metadata key it does not know.
+                metadata: BTreeMap::new(),
+                options,
+            },
+            KataRuntime::Rs => Self {
+                volume_type: SPDK_VOLUME_TYPE.into(),
+                device: store.socket_path(ctrlr).display().to_string(),
+                fstype: if raw { "bind".into() } else { fstype.into() },
+                metadata: [
+                    ("volume-id".to_owned(), alias.to_owned()),
+                    ("num_queues".to_owned(), "1".to_owned()),
+                ]
+                .into(),
+                options,
+            },
+        }
+    }
+
+    /// The controller `device` names in `store` (its socket or its device node), if it is one.
+    pub fn ctrlr(&self, store: &Store) -> Option<String> {
+        let p = Path::new(&self.device);
+        let parent = p.parent()?;
+        (parent == store.sockets_dir() || parent == store.devices_dir())
+            .then(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .flatten()
+    }
 }
 
 /// The directory holding the `mountInfo.json` of the volume mounted at `volume_path`:
@@ -171,11 +310,20 @@ pub fn direct_volume_dir(dir: &Path, volume_path: &Path) -> PathBuf {
     dir.join(enc)
 }
 
-/// Writes `mountInfo.json` (mode 0600) atomically.
+/// Writes `mountInfo.json` (mode 0600, its directory 0700) atomically.
 pub fn write_mount_info(dir: &Path, volume_path: &Path, info: &MountInfo) -> Result<PathBuf> {
     let d = direct_volume_dir(dir, volume_path);
-    check_socket_path(Path::new(&info.device))?;
-    std::fs::create_dir_all(&d).map_err(|e| CsiError::io("create", &d, e))?;
+    if info.volume_type == SPDK_VOLUME_TYPE {
+        check_socket_path(Path::new(&info.device))?;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DIRECT_VOLUME_DIR_MODE)
+        .create(&d)
+        .map_err(|e| CsiError::io("create", &d, e))?;
+    // An existing directory (an older driver made them 0755) gets the mode too.
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(DIRECT_VOLUME_DIR_MODE))
+        .map_err(|e| CsiError::io("chmod", &d, e))?;
     let file = d.join("mountInfo.json");
     let tmp = d.join(".mountInfo.json.tmp");
     let json = serde_json::to_vec_pretty(info).map_err(|e| CsiError::Internal(e.to_string()))?;
@@ -238,10 +386,86 @@ mod tests {
             std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
             0o600
         );
+        assert_eq!(
+            std::fs::metadata(f.parent().unwrap())
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o700
+        );
         assert_eq!(read_mount_info(d.path(), vp), Some(info));
         remove_mount_info(d.path(), vp).unwrap();
         remove_mount_info(d.path(), vp).unwrap();
         assert!(read_mount_info(d.path(), vp).is_none());
+    }
+
+    #[test]
+    fn mount_info_per_runtime() {
+        let s = Store::new("/run/vu");
+        let go = MountInfo::for_runtime(
+            KataRuntime::Go,
+            &s,
+            "ctrlr-1",
+            "lvs/v",
+            "xfs",
+            false,
+            vec![],
+        );
+        assert_eq!(go.device, "/run/vu/block/devices/ctrlr-1");
+        assert_eq!(go.fstype, "xfs");
+        assert_eq!(go.ctrlr(&s).as_deref(), Some("ctrlr-1"));
+        // Go's `omitempty`: no empty metadata/options keys.
+        let text = serde_json::to_string(&go).unwrap();
+        assert!(
+            !text.contains("metadata") && !text.contains("options"),
+            "{text}"
+        );
+        let back: MountInfo = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, go);
+        let rs = MountInfo::for_runtime(
+            KataRuntime::Rs,
+            &s,
+            "ctrlr-1",
+            "lvs/v",
+            "ext4",
+            false,
+            vec!["ro".into()],
+        );
+        assert_eq!(rs.volume_type, "spdkvol");
+        assert_eq!(rs.device, "/run/vu/block/sockets/ctrlr-1");
+        assert_eq!(rs.metadata["num_queues"], "1");
+        assert_eq!(rs.ctrlr(&s).as_deref(), Some("ctrlr-1"));
+        let raw = MountInfo::for_runtime(
+            KataRuntime::Rs,
+            &s,
+            "ctrlr-1",
+            "lvs/v",
+            "ext4",
+            true,
+            vec![],
+        );
+        assert_eq!(raw.fstype, "bind");
+        assert!(MountInfo {
+            device: "/elsewhere/ctrlr-1".into(),
+            ..rs
+        }
+        .ctrlr(&s)
+        .is_none());
+    }
+
+    #[test]
+    fn runtimes_refuse_what_they_cannot_mount() {
+        assert!(KataRuntime::Go.refuses("xfs", false).is_none());
+        assert!(KataRuntime::Go.refuses("ext4", true).is_some());
+        assert!(KataRuntime::Rs.refuses("ext4", false).is_none());
+        assert!(KataRuntime::Rs
+            .refuses("xfs", false)
+            .unwrap()
+            .contains("fsType ext4"));
+        assert!(KataRuntime::Rs.refuses("xfs", true).is_none());
+        assert_eq!(KataRuntime::parse("rs").unwrap(), KataRuntime::Rs);
+        assert!(KataRuntime::parse("rust").is_err());
     }
 
     #[test]
@@ -267,6 +491,8 @@ mod tests {
         if s.ensure_device_node("a", None).is_err() {
             return;
         }
+        let md = std::fs::metadata(s.device_path("a")).unwrap();
+        assert_eq!(md.permissions().mode() & 0o777, DEVICE_NODE_MODE);
         assert_eq!(s.ensure_device_node("b", None).unwrap(), 1);
         assert_eq!(s.ensure_device_node("a", None).unwrap(), 0);
         s.remove_device_node("a").unwrap();

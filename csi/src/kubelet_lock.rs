@@ -93,6 +93,15 @@ pub fn loops_of(path: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Whether `map` is locked the way kubelet wants: a loop device backs it, or kubelet's mapping
+/// has already bind-mounted the device node over it (then the loop device belongs to kubelet's
+/// own steps).
+pub fn is_held(map: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let mapped = std::fs::metadata(map).is_ok_and(|m| m.file_type().is_block_device());
+    mapped || !loops_of(map).is_empty()
+}
+
 /// Every attached loop device with its backing file.
 fn all_loops() -> Vec<(PathBuf, String)> {
     let Ok(rd) = std::fs::read_dir("/sys/block") else {

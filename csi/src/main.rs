@@ -53,6 +53,11 @@ struct Args {
     /// are not kubelet).
     #[arg(long, value_enum, default_value_t = katablk_csi::kubelet_lock::LockMode::Kubelet)]
     kubelet_block_lock: katablk_csi::kubelet_lock::LockMode,
+    /// The Kata runtime Filesystem volumes' mountInfo.json is written for, unless the
+    /// StorageClass sets `kataRuntime`: `go` (Kata's Go runtime: kata-qemu) or `rs`
+    /// (runtime-rs: kata-dragonball).
+    #[arg(long, value_enum, default_value_t = katablk_csi::kata::KataRuntime::Go)]
+    kata_runtime: katablk_csi::kata::KataRuntime,
     /// Prometheus metrics address, e.g. 0.0.0.0:9808.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -89,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.direct_volumes_dir = a.direct_volumes_dir;
     cfg.state_dir = a.state_dir;
     cfg.kubelet_block_lock = a.kubelet_block_lock;
+    cfg.kata_runtime = a.kata_runtime;
     cfg.reconcile_interval = Duration::from_secs(a.reconcile_interval.max(1));
     let driver = Driver::new(cfg).context("starting the driver")?;
     tokio::spawn(katablk_csi::reconcile::run(driver.clone()));

@@ -18,6 +18,10 @@ struct Inner {
     latency: BTreeMap<&'static str, (u64, f64)>,
     /// Reconciliation actions by kind.
     reconcile: BTreeMap<&'static str, u64>,
+    /// Published volumes by hand-over (see [`Metrics::set_published`]).
+    published: BTreeMap<&'static str, u64>,
+    /// Block publications that prepared kubelet's loop-device lock.
+    kubelet_locks: u64,
 }
 
 /// Counters shared by all services.
@@ -49,6 +53,15 @@ impl Metrics {
     /// Records one reconciliation action (`controller_restored`, `orphan_removed`, ...).
     pub fn reconciled(&self, what: &'static str) {
         self.with(|i| *i.reconcile.entry(what).or_default() += 1);
+    }
+
+    /// Sets the gauges of what this node has published: volumes by hand-over
+    /// (`block_device_node`, `direct_go`, `direct_rs`, `direct_rs_raw`) and kubelet locks.
+    pub fn set_published(&self, by_handoff: BTreeMap<&'static str, u64>, kubelet_locks: u64) {
+        self.with(|i| {
+            i.published = by_handoff;
+            i.kubelet_locks = kubelet_locks;
+        });
     }
 
     /// The count of calls of `method` that ended with `code`.
@@ -109,6 +122,26 @@ impl Metrics {
                     "katablk_csi_reconcile_actions_total{{action=\"{w}\"}} {n}"
                 );
             }
+            s.push_str(
+                "# HELP katablk_csi_published_volumes Volumes published on this node, by how \
+                 they are handed to Kata.\n",
+            );
+            s.push_str("# TYPE katablk_csi_published_volumes gauge\n");
+            for h in [
+                "block_device_node",
+                "direct_go",
+                "direct_rs",
+                "direct_rs_raw",
+            ] {
+                let n = i.published.get(h).copied().unwrap_or(0);
+                let _ = writeln!(s, "katablk_csi_published_volumes{{handoff=\"{h}\"}} {n}");
+            }
+            s.push_str(
+                "# HELP katablk_csi_kubelet_locks Block volumes whose kubelet loop-device lock \
+                 this driver prepared.\n",
+            );
+            s.push_str("# TYPE katablk_csi_kubelet_locks gauge\n");
+            let _ = writeln!(s, "katablk_csi_kubelet_locks {}", i.kubelet_locks);
             s
         })
     }

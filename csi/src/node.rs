@@ -7,8 +7,11 @@
 //!
 //! Filesystem volumes: the same controller; the volume is formatted through it if it has no
 //! filesystem (see [`crate::format`]), and handed to Kata as a direct-assigned volume
-//! (`mountInfo.json`, type `spdkvol`, device = the socket) keyed by the target path, which is a
-//! directory the guest mounts the filesystem on.
+//! (`mountInfo.json`) keyed by the target path, which is a directory the guest mounts the
+//! filesystem on. The file is written for one Kata runtime ([`KataRuntime`], the StorageClass's
+//! `kataRuntime` or `--kata-runtime`): the Go runtime gets `device` = the 241 device node
+//! (created as for Block volumes), runtime-rs gets `spdkvol` with `device` = the socket, ext4
+//! only, or with `rawBlock` the unformatted device.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,7 +24,7 @@ use crate::controller::{params, unsupported_capability};
 use crate::csi::{self, node_service_capability as nsc, volume_capability as vc};
 use crate::driver::{bdev_size, Driver};
 use crate::error::{CsiError, Result};
-use crate::kata::{self, MountInfo};
+use crate::kata::{self, KataRuntime};
 use crate::kubelet_lock::{self, LockMode};
 use crate::mounts;
 use crate::state::Publication;
@@ -232,6 +235,30 @@ impl NodeService {
             Some(vc::AccessType::Mount(m)) => m.mount_flags.clone(),
             _ => Vec::new(),
         };
+        let runtime = match r.volume_context.get(params::KATA_RUNTIME) {
+            Some(v) => Some(KataRuntime::parse(v)?),
+            None => None,
+        };
+        let raw_block = r
+            .volume_context
+            .get(params::RAW_BLOCK)
+            .is_some_and(|v| v == "true");
+        let runtime = match &fstype {
+            None if runtime == Some(KataRuntime::Rs) => {
+                return Err(CsiError::InvalidArgument(format!(
+                    "volume {id}'s class is for Kata runtime-rs, which cannot attach Block PVs \
+                     (it looks container devices up in /sys/dev/block): use a Filesystem PV"
+                )))
+            }
+            None => None,
+            Some(fs) => {
+                let rt = runtime.unwrap_or(self.d.cfg.kata_runtime);
+                if let Some(why) = rt.refuses(fs, raw_block) {
+                    return Err(CsiError::InvalidArgument(why));
+                }
+                Some(rt)
+            }
+        };
         let ctrlr = id.ctrlr_name();
         let prev = self.d.state.published.get(&id.alias());
         if let Some(p) = &prev {
@@ -241,7 +268,11 @@ impl NodeService {
                     p.target_path.display()
                 )));
             }
-            if p.readonly != readonly || p.fstype.is_some() != fstype.is_some() {
+            if p.readonly != readonly
+                || p.fstype.is_some() != fstype.is_some()
+                || p.runtime() != runtime
+                || p.raw_block != raw_block
+            {
                 return Err(CsiError::AlreadyExists(format!(
                     "volume {id} is published at {} with other options",
                     target.display()
@@ -265,21 +296,35 @@ impl NodeService {
             fstype: fstype.clone(),
             cpumask: cpumask.clone(),
             kubelet_map: kubelet_map.clone(),
+            kata_runtime: runtime,
+            raw_block: raw_block && fstype.is_some(),
+            mount_options: Vec::new(),
         };
+        if fstype.is_some() {
+            rec.mount_options = mount_flags;
+            if readonly && !rec.mount_options.iter().any(|o| o == "ro") {
+                rec.mount_options.push("ro".into());
+            }
+        }
         // Record first: if anything below fails, reconciliation and unpublish know what to
         // clean up.
         self.d.state.published.insert(&id.alias(), rec.clone())?;
         ensure_controller(&self.d, &id, &b, &ctrlr, readonly, cpumask.as_deref()).await?;
+        let minor = if rec.needs_device_node() {
+            let minor = {
+                let _m = self.d.minors.lock().await;
+                self.d.store.ensure_device_node(&ctrlr, rec.minor)?
+            };
+            if rec.minor != Some(minor) {
+                rec.minor = Some(minor);
+                self.d.state.published.insert(&id.alias(), rec.clone())?;
+            }
+            Some(minor)
+        } else {
+            None
+        };
         match &fstype {
             None => {
-                let minor = {
-                    let _m = self.d.minors.lock().await;
-                    self.d.store.ensure_device_node(&ctrlr, rec.minor)?
-                };
-                if rec.minor != Some(minor) {
-                    rec.minor = Some(minor);
-                    self.d.state.published.insert(&id.alias(), rec.clone())?;
-                }
                 let dev = self.d.store.device_path(&ctrlr);
                 publish_block_target(&dev, &target, readonly)?;
                 if let Some(map) = &kubelet_map {
@@ -289,29 +334,21 @@ impl NodeService {
                     "block volume published");
             }
             Some(fs) => {
-                self.ensure_filesystem(&id, &b, &ctrlr, fs, readonly)
-                    .await?;
-                std::fs::create_dir_all(&target).map_err(|e| CsiError::io("create", &target, e))?;
-                let mut options = mount_flags;
-                if readonly && !options.iter().any(|o| o == "ro") {
-                    options.push("ro".into());
+                if !rec.raw_block {
+                    self.ensure_filesystem(&id, &b, &ctrlr, fs, readonly)
+                        .await?;
                 }
-                let info = MountInfo {
-                    volume_type: "spdkvol".into(),
-                    device: self.d.store.socket_path(&ctrlr).display().to_string(),
-                    fstype: fs.clone(),
-                    metadata: [
-                        ("volume-id".to_owned(), id.alias()),
-                        ("num_queues".to_owned(), "1".to_owned()),
-                    ]
-                    .into(),
-                    options,
-                };
+                std::fs::create_dir_all(&target).map_err(|e| CsiError::io("create", &target, e))?;
+                let info = rec.mount_info(&self.d.store, &id.alias()).ok_or_else(|| {
+                    CsiError::Internal(format!("volume {id}: no mountInfo for its record"))
+                })?;
                 let f = kata::write_mount_info(&self.d.cfg.direct_volumes_dir, &target, &info)?;
                 tracing::info!(volume_id = %id, target = %target.display(), fstype = %fs,
+                    kata_runtime = ?runtime, raw_block = rec.raw_block, ?minor,
                     mount_info = %f.display(), "filesystem volume published");
             }
         }
+        self.d.refresh_published_gauge();
         Ok(())
     }
 
@@ -391,6 +428,7 @@ impl NodeService {
             delete_controller(&self.d, &p.ctrlr).await?;
             self.d.store.remove_device_node(&p.ctrlr)?;
             self.d.state.published.remove(&id.alias())?;
+            self.d.refresh_published_gauge();
         }
         tracing::info!(volume_id = %id, target = %target.display(), "unpublished");
         Ok(())
@@ -471,19 +509,36 @@ impl NodeService {
         if !socket.exists() {
             return Ok(abnormal(format!("socket {} is missing", socket.display())));
         }
-        if p.fstype.is_none() {
-            if !self.d.store.device_nodes()?.contains_key(&p.ctrlr) {
-                return Ok(abnormal(format!("device node {} is missing", p.ctrlr)));
+        if p.needs_device_node() && !self.d.store.device_nodes()?.contains_key(&p.ctrlr) {
+            return Ok(abnormal(format!("device node {} is missing", p.ctrlr)));
+        }
+        if let Some(want) = p.mount_info(&self.d.store, &id.alias()) {
+            match kata::read_mount_info(&self.d.cfg.direct_volumes_dir, path) {
+                None => {
+                    return Ok(abnormal(format!(
+                        "Kata's mountInfo.json for {} is missing or unreadable",
+                        path.display()
+                    )))
+                }
+                Some(have) if have != want => {
+                    return Ok(abnormal(format!(
+                        "Kata's mountInfo.json for {} names {} ({}), not {} ({})",
+                        path.display(),
+                        have.device,
+                        have.volume_type,
+                        want.device,
+                        want.volume_type
+                    )))
+                }
+                Some(_) => {}
             }
+        }
+        if p.fstype.is_none() {
             if !mounts::is_mount_point(path)? {
                 return Ok(abnormal(format!("{} is not mounted", path.display())));
             }
             if let Some(map) = &p.kubelet_map {
-                let mapped = std::fs::metadata(map).is_ok_and(|m| {
-                    use std::os::unix::fs::FileTypeExt;
-                    m.file_type().is_block_device()
-                });
-                if !mapped && kubelet_lock::loops_of(map).is_empty() {
+                if !kubelet_lock::is_held(map) {
                     return Ok(abnormal(format!(
                         "kubelet's lock for {} is missing (no loop device, not mapped)",
                         map.display()

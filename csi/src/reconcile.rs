@@ -8,6 +8,8 @@
 //!   it; unpublish cleans it up).
 //! - Controllers named `ctrlr-*` (this driver's prefix) that no record mentions are deleted;
 //!   so are `ctrlr-*` device nodes without a record. Others' controllers and nodes are left.
+//! - A recorded Filesystem publication whose `mountInfo.json` is missing or differs gets it
+//!   written again (while its target directory exists); for the Go runtime its device node too.
 //! - kubelet locks ([`crate::kubelet_lock`]): a recorded Block publication gets its loop device
 //!   back if it lost it; loop devices of this driver on map files no record wants (and kubelet
 //!   does not map) are detached. Loop devices of others are never touched.
@@ -34,23 +36,20 @@ pub struct Report {
     pub kept_in_use: Vec<String>,
     /// kubelet map files whose loop device of ours was detached (no publication wants them).
     pub orphan_locks: Vec<std::path::PathBuf>,
+    /// Filesystem publications whose `mountInfo.json` was written again.
+    pub mount_infos: Vec<std::path::PathBuf>,
 }
 
 /// Controller names referenced by `mountInfo.json` files in the direct-volumes directory.
+/// Both runtimes' files count: runtime-rs names the socket, the Go runtime the device node.
 fn direct_volume_ctrlrs(d: &Driver) -> Vec<String> {
-    let sockets = d.store.sockets_dir();
     let Ok(rd) = std::fs::read_dir(&d.cfg.direct_volumes_dir) else {
         return Vec::new();
     };
     rd.flatten()
         .filter_map(|e| std::fs::read(e.path().join("mountInfo.json")).ok())
         .filter_map(|b| serde_json::from_slice::<crate::kata::MountInfo>(&b).ok())
-        .filter_map(|m| {
-            let p = std::path::PathBuf::from(m.device);
-            (p.parent() == Some(sockets.as_path()))
-                .then(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .flatten()
-        })
+        .filter_map(|m| m.ctrlr(&d.store))
         .collect()
 }
 
@@ -108,7 +107,7 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
             d.metrics.reconciled("controller_restored");
             rep.restored.push(p.ctrlr.clone());
         }
-        if p.fstype.is_none() {
+        if p.needs_device_node() {
             let minor = {
                 let _m = d.minors.lock().await;
                 d.store.ensure_device_node(&p.ctrlr, p.minor)?
@@ -120,13 +119,25 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
                 q.minor = Some(minor);
                 d.state.published.insert(vid, q)?;
             }
-            if p.target_path.parent().is_some_and(|x| x.exists()) {
-                publish_block_target(&d.store.device_path(&p.ctrlr), &p.target_path, p.readonly)?;
-                if let Some(map) = &p.kubelet_map {
-                    if let Err(e) = crate::kubelet_lock::prepare(map, vid) {
-                        tracing::warn!(volume_id = %vid, map = %map.display(), error = %e,
-                            "cannot restore kubelet's lock");
-                    }
+        }
+        if let Some(info) = p.mount_info(&d.store, vid) {
+            // The direct-volumes directory is on tmpfs: a lost file is written again while the
+            // target directory (the pod's volume) is still there.
+            let have = crate::kata::read_mount_info(&d.cfg.direct_volumes_dir, &p.target_path);
+            if have.as_ref() != Some(&info) && p.target_path.is_dir() {
+                crate::kata::write_mount_info(&d.cfg.direct_volumes_dir, &p.target_path, &info)?;
+                tracing::info!(volume_id = %vid, target = %p.target_path.display(),
+                    "mountInfo.json restored");
+                d.metrics.reconciled("mount_info_restored");
+                rep.mount_infos.push(p.target_path.clone());
+            }
+        }
+        if p.fstype.is_none() && p.target_path.parent().is_some_and(|x| x.exists()) {
+            publish_block_target(&d.store.device_path(&p.ctrlr), &p.target_path, p.readonly)?;
+            if let Some(map) = &p.kubelet_map {
+                if let Err(e) = crate::kubelet_lock::prepare(map, vid) {
+                    tracing::warn!(volume_id = %vid, map = %map.display(), error = %e,
+                        "cannot restore kubelet's lock");
                 }
             }
         }
@@ -163,6 +174,7 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
             }
         }
     }
+    d.refresh_published_gauge();
     Ok(rep)
 }
 

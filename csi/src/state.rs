@@ -35,6 +35,53 @@ pub struct Publication {
     /// `--kubelet-block-lock=kubelet`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubelet_map: Option<PathBuf>,
+    /// Filesystem volumes: the Kata runtime its `mountInfo.json` is written for (records from
+    /// before this field were written for runtime-rs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kata_runtime: Option<crate::kata::KataRuntime>,
+    /// Filesystem volumes for runtime-rs handed over unformatted (`rawBlock`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub raw_block: bool,
+    /// Filesystem volumes: the mount options written into `mountInfo.json`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mount_options: Vec<String>,
+}
+
+impl Publication {
+    /// The runtime a Filesystem publication was written for (`None` for Block ones).
+    pub fn runtime(&self) -> Option<crate::kata::KataRuntime> {
+        self.fstype
+            .as_ref()
+            .map(|_| self.kata_runtime.unwrap_or(crate::kata::KataRuntime::Rs))
+    }
+
+    /// Whether the store needs this publication's 241 device node: Block volumes, and
+    /// Filesystem volumes for the Go runtime (their `mountInfo.json` names the node).
+    pub fn needs_device_node(&self) -> bool {
+        self.fstype.is_none() || self.runtime() == Some(crate::kata::KataRuntime::Go)
+    }
+
+    /// The `mountInfo.json` of a Filesystem publication.
+    pub fn mount_info(
+        &self,
+        store: &crate::kata::Store,
+        alias: &str,
+    ) -> Option<crate::kata::MountInfo> {
+        let fs = self.fstype.as_deref()?;
+        let mut options = self.mount_options.clone();
+        if self.readonly && !options.iter().any(|o| o == "ro") {
+            options.push("ro".into());
+        }
+        Some(crate::kata::MountInfo::for_runtime(
+            self.runtime()?,
+            store,
+            &self.ctrlr,
+            alias,
+            fs,
+            self.raw_block,
+            options,
+        ))
+    }
 }
 
 /// Metadata of one snapshot.
@@ -148,13 +195,38 @@ mod tests {
             fstype: None,
             cpumask: None,
             kubelet_map: Some("/k/dev/pod".into()),
+            kata_runtime: None,
+            raw_block: false,
+            mount_options: vec![],
         };
         s.published.insert("lvs/v", p.clone()).unwrap();
         s.published.remove("nope").unwrap();
         let s2 = State::load(d.path()).unwrap();
-        assert_eq!(s2.published.get("lvs/v"), Some(p));
+        assert_eq!(s2.published.get("lvs/v"), Some(p.clone()));
         s2.published.remove("lvs/v").unwrap();
         assert!(State::load(d.path()).unwrap().published.all().is_empty());
+        // A Filesystem record written before `kata_runtime` existed was for runtime-rs.
+        let old: Publication = serde_json::from_str(
+            r#"{"target_path":"/t","ctrlr":"ctrlr-1","readonly":true,"fstype":"ext4"}"#,
+        )
+        .unwrap();
+        assert_eq!(old.runtime(), Some(crate::kata::KataRuntime::Rs));
+        assert!(!old.needs_device_node());
+        let store = crate::kata::Store::new("/s");
+        let info = old.mount_info(&store, "lvs/v").unwrap();
+        assert_eq!(info.volume_type, "spdkvol");
+        assert_eq!(info.options, ["ro"]);
+        let go = Publication {
+            kata_runtime: Some(crate::kata::KataRuntime::Go),
+            ..old
+        };
+        assert!(go.needs_device_node());
+        assert_eq!(
+            go.mount_info(&store, "lvs/v").unwrap().device,
+            "/s/block/devices/ctrlr-1"
+        );
+        assert_eq!(p.runtime(), None);
+        assert!(p.needs_device_node());
         std::fs::write(d.path().join("snapshots.json"), b"{oops").unwrap();
         assert!(State::load(d.path()).is_err());
     }

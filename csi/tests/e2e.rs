@@ -237,6 +237,8 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
         .insert("csi.storage.k8s.io/fstype".into(), "ext4".into());
     r.parameters.insert("cpumask".into(), "0x1".into());
     r.parameters.insert("thinProvision".into(), "true".into());
+    // runtime-rs' mountInfo.json (the Go runtime's is in tests/kata.rs).
+    r.parameters.insert("kataRuntime".into(), "rs".into());
     let v = e
         .controller
         .create_volume(r)
@@ -246,6 +248,7 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
         .volume
         .unwrap();
     assert_eq!(v.volume_context["fstype"], "ext4");
+    assert_eq!(v.volume_context["kataRuntime"], "rs");
     assert_eq!(v.volume_context["cpumask"], "0x1");
     let tp = e.target_path("fs1");
     std::fs::create_dir_all(tp.parent().unwrap()).unwrap();

@@ -329,6 +329,7 @@ async fn node_flow_on_spdk_vhost() {
         r.volume_capabilities = vec![mount_cap()];
         r.parameters
             .insert("csi.storage.k8s.io/fstype".into(), "ext4".into());
+        r.parameters.insert("kataRuntime".into(), "rs".into());
         let fv = e
             .controller
             .create_volume(r)

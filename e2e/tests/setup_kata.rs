@@ -1,6 +1,6 @@
-//! `scripts/setup-kata.sh` on a sample Kata configuration: the dry run changes nothing, the real
+//! `scripts/setup-kata.sh` on sample Kata configurations: the dry run changes nothing, the real
 //! run sets every key once (replacing commented and conflicting lines), and a second run is a
-//! no-op.
+//! no-op; for runtime-rs only what Dragonball needs.
 #![allow(clippy::unwrap_used)]
 
 use std::fs;
@@ -22,6 +22,11 @@ enable_debug = false
 ";
 
 fn run(args: &[&str]) -> String {
+    run2(args).0
+}
+
+/// stdout and stderr of a successful run.
+fn run2(args: &[&str]) -> (String, String) {
     let out = Command::new("bash")
         .arg(repo_root().join("scripts/setup-kata.sh"))
         .args(args)
@@ -32,7 +37,18 @@ fn run(args: &[&str]) -> String {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
+}
+
+/// The active (uncommented) values of key `k` in a TOML text.
+fn active(text: &str, k: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| l.split('=').next().unwrap().trim() == k)
+        .map(|l| l.split_once('=').unwrap().1.trim().to_string())
+        .collect()
 }
 
 #[test]
@@ -53,20 +69,49 @@ fn setup_kata_sets_each_key_once_and_is_idempotent() {
 
     run(&["--config", cfg_s, "--store", "/run/vu"]);
     let got = fs::read_to_string(&cfg).unwrap();
-    let active = |k: &str| {
-        got.lines()
-            .filter(|l| l.split('=').next().unwrap().trim() == k)
-            .map(|l| l.split_once('=').unwrap().1.trim().to_string())
-            .collect::<Vec<_>>()
-    };
+    let active = |k: &str| active(&got, k);
     assert_eq!(active("enable_vhost_user_store"), ["true"], "{got}");
     assert_eq!(active("vhost_user_store_path"), ["\"/run/vu\""], "{got}");
     assert_eq!(active("enable_hugepages"), ["true"], "{got}");
+    assert_eq!(active("disable_block_device_use"), ["false"], "{got}");
     assert_eq!(active("vhost_user_reconnect_timeout_sec").len(), 1, "{got}");
     assert!(got.contains("[runtime]\nenable_debug = false"), "{got}");
 
     let again = run(&["--config", cfg_s, "--store", "/run/vu"]);
     assert!(again.contains("already configured"), "{again}");
     assert_eq!(fs::read_to_string(&cfg).unwrap(), got);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+const DRAGONBALL: &str = "\
+[hypervisor.dragonball]
+path = \"/opt/kata/bin/dragonball\"
+enable_hugepages = false
+";
+
+#[test]
+fn setup_kata_for_runtime_rs_changes_only_what_dragonball_needs() {
+    let dir = std::env::temp_dir().join(format!("katablk-setup-kata-rs-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("configuration.toml");
+    fs::write(&cfg, DRAGONBALL).unwrap();
+    let cfg_s = cfg.to_str().unwrap();
+    // katablk-target: Dragonball's shmem RAM is shared already, spdkvol needs no store.
+    let (out, _) = run2(&["--runtime", "rs", "--config", cfg_s]);
+    assert!(out.contains("already configured"), "{out}");
+    assert_eq!(fs::read_to_string(&cfg).unwrap(), DRAGONBALL);
+    // SPDK's vhost as the target: hugepage-backed guest RAM.
+    run(&["--runtime", "rs", "--hugepages", "--config", cfg_s]);
+    let got = fs::read_to_string(&cfg).unwrap();
+    assert_eq!(active(&got, "enable_hugepages"), ["true"], "{got}");
+    assert!(active(&got, "enable_vhost_user_store").is_empty(), "{got}");
+    // A runtime-rs config without Dragonball is reported (no other VMM attaches spdkvol).
+    fs::write(&cfg, SAMPLE).unwrap();
+    let (_, err) = run2(&["--runtime", "rs", "--dry-run", "--config", cfg_s]);
+    assert!(err.contains("no [hypervisor.dragonball]"), "{err}");
+    // And the Go runtime without QEMU.
+    fs::write(&cfg, DRAGONBALL).unwrap();
+    let (_, err) = run2(&["--dry-run", "--config", cfg_s]);
+    assert!(err.contains("no [hypervisor.qemu]"), "{err}");
     fs::remove_dir_all(&dir).unwrap();
 }

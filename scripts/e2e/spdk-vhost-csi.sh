@@ -170,7 +170,7 @@ check "aio bdev lvs0-aio has 512-byte blocks" \
 
 # CreateVolume (block, thin), idempotent by name.
 out=$(ctl create pvc-spdk 64 -p thinProvision=true 2>&1)
-read -r vol cap <<<"$out"
+read -r vol cap _ <<<"$out"
 check "CreateVolume: $out" test "$vol $cap" = "lvs0/pvc-spdk 67108864"
 out2=$(ctl create pvc-spdk 64 -p thinProvision=true 2>&1)
 check "CreateVolume again: same volume" test "$out2" = "$out"

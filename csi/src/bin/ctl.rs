@@ -30,7 +30,8 @@ struct Args {
 enum Cmd {
     /// GetPluginInfo and Probe.
     Probe,
-    /// CreateVolume of a block volume (StorageClass parameter `spdk: "true"`, plus `-p k=v`).
+    /// CreateVolume of a block volume (StorageClass parameter `spdk: "true"`, plus `-p k=v`),
+    /// or with `--fs-type` a Filesystem one. Prints the volume id, its size and its context.
     Create {
         /// Volume name.
         name: String,
@@ -39,8 +40,12 @@ enum Cmd {
         /// Extra StorageClass parameters, `key=value`.
         #[arg(short = 'p', long = "param")]
         params: Vec<String>,
+        /// A Filesystem volume of this type instead of a Block one.
+        #[arg(long)]
+        fs_type: Option<String>,
     },
-    /// NodePublishVolume of a block volume at TARGET (a file path inside the kubelet dir).
+    /// NodePublishVolume of a block volume at TARGET (a file path inside the kubelet dir), or
+    /// with `--fs-type` of a Filesystem volume at TARGET (a directory).
     Publish {
         /// Volume id returned by `create`.
         volume_id: String,
@@ -49,6 +54,12 @@ enum Cmd {
         /// Publish read-only.
         #[arg(long)]
         readonly: bool,
+        /// A Filesystem volume of this type.
+        #[arg(long)]
+        fs_type: Option<String>,
+        /// Volume context from `create`, `key=value` (e.g. `kataRuntime=rs`).
+        #[arg(short = 'c', long = "context")]
+        context: Vec<String>,
     },
     /// NodeUnpublishVolume.
     Unpublish {
@@ -98,8 +109,19 @@ async fn channel(endpoint: &str) -> Result<Channel> {
 }
 
 fn block_cap() -> csi::VolumeCapability {
+    capability(None)
+}
+
+/// Block, or a Filesystem volume of `fs_type`; single-node writer.
+fn capability(fs_type: Option<&str>) -> csi::VolumeCapability {
     csi::VolumeCapability {
-        access_type: Some(vc::AccessType::Block(vc::BlockVolume {})),
+        access_type: Some(match fs_type {
+            None => vc::AccessType::Block(vc::BlockVolume {}),
+            Some(fs) => vc::AccessType::Mount(vc::MountVolume {
+                fs_type: fs.to_owned(),
+                ..Default::default()
+            }),
+        }),
         access_mode: Some(vc::AccessMode {
             mode: vc::access_mode::Mode::SingleNodeWriter as i32,
         }),
@@ -127,6 +149,7 @@ async fn main() -> Result<()> {
             name,
             size_mib,
             params,
+            fs_type,
         } => {
             let mut parameters: HashMap<String, String> =
                 [("spdk".to_owned(), "true".to_owned())].into();
@@ -141,26 +164,40 @@ async fn main() -> Result<()> {
                         required_bytes: size_mib << 20,
                         limit_bytes: 0,
                     }),
-                    volume_capabilities: vec![block_cap()],
+                    volume_capabilities: vec![capability(fs_type.as_deref())],
                     parameters,
                     ..Default::default()
                 })
                 .await?
                 .into_inner();
             let v = r.volume.context("no volume in the reply")?;
-            println!("{} {}", v.volume_id, v.capacity_bytes);
+            let mut ctx: Vec<String> = v
+                .volume_context
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            ctx.sort();
+            println!("{} {} {}", v.volume_id, v.capacity_bytes, ctx.join(","));
         }
         Cmd::Publish {
             volume_id,
             target,
             readonly,
+            fs_type,
+            context,
         } => {
+            let mut volume_context = HashMap::new();
+            for c in context.iter().flat_map(|c| c.split(',')) {
+                let (k, v) = c.split_once('=').context("context entries are key=value")?;
+                volume_context.insert(k.to_owned(), v.to_owned());
+            }
             NodeClient::new(ch)
                 .node_publish_volume(csi::NodePublishVolumeRequest {
                     volume_id,
                     target_path: target.display().to_string(),
-                    volume_capability: Some(block_cap()),
+                    volume_capability: Some(capability(fs_type.as_deref())),
                     readonly,
+                    volume_context,
                     ..Default::default()
                 })
                 .await?;

@@ -174,6 +174,15 @@ impl Env {
 
     /// The same with kubelet's loop-device lock for Block volumes set to `lock`.
     pub async fn start_with(spdk_vhost: Option<&Path>, lock: LockMode) -> Env {
+        Self::start_configured(spdk_vhost, |c| c.kubelet_block_lock = lock).await
+    }
+
+    /// The same with the driver's configuration changed by `tune` (kubelet's lock off unless
+    /// `tune` turns it on).
+    pub async fn start_configured(
+        spdk_vhost: Option<&Path>,
+        tune: impl FnOnce(&mut Config),
+    ) -> Env {
         let dir = tempfile::Builder::new()
             .prefix("kcsi")
             .tempdir_in("/tmp")
@@ -205,7 +214,8 @@ impl Env {
         cfg.kubelet_dir = root.join("kubelet");
         cfg.direct_volumes_dir = root.join("direct");
         cfg.state_dir = root.join("state");
-        cfg.kubelet_block_lock = lock;
+        cfg.kubelet_block_lock = LockMode::Off;
+        tune(&mut cfg);
         std::fs::create_dir_all(&cfg.kubelet_dir).unwrap();
         let driver = Driver::new(cfg).unwrap();
         let mut w = katablk_csi::node_config::Watcher::new(nc);
@@ -437,4 +447,11 @@ pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) ->
         Ok(_) => tonic::Code::Ok,
         Err(s) => s.code(),
     }
+}
+
+/// The controller name of a volume id.
+pub fn ctrlr(vol: &str) -> String {
+    katablk_csi::volume::LvolId::parse(vol)
+        .unwrap()
+        .ctrlr_name()
 }
