@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::{FromRawFd, IntoRawFd};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tracing::{debug, info, warn};
 use vhost::vhost_user::message::{
@@ -27,9 +27,18 @@ use vm_memory::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{self, BlkOptions, CONFIG_SPACE_LEN, MAX_MEM_SLOTS};
+use crate::fdcheck::check_mappable;
 use crate::inflight::InflightRegion;
 use crate::queue::{Cmd, DeviceShared, VringCtx, WorkerHandle};
+use crate::sigbus::{self, Protection};
 use crate::{Error, GuestMem};
+
+/// A guest memory region registered with the SIGBUS handler, kept registered until the region
+/// is unmapped (requests in flight may hold it after it left the memory table).
+struct Protected {
+    region: Weak<GuestRegionMmap<()>>,
+    _protection: Protection,
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Mapping {
@@ -68,6 +77,12 @@ pub struct BlkBackend {
     inflight: Option<Arc<InflightRegion>>,
     /// Host ranges of guest memory announced to the device with `register_memory`.
     registered: Vec<(usize, usize)>,
+    /// Guest memory mappings registered with the SIGBUS handler.
+    protected: Vec<Protected>,
+    /// Set when the frontend sent a memory file that does not back what it asked to map: the
+    /// server drops such a frontend after the refusal (and the error reply, if it asked for
+    /// one).
+    fatal: Option<String>,
 }
 
 fn err(e: impl std::fmt::Display) -> VuError {
@@ -83,6 +98,9 @@ fn eventfd_from(file: File) -> EventFd {
 impl BlkBackend {
     pub(crate) fn new(shared: Arc<DeviceShared>, opts: BlkOptions) -> Result<Self, Error> {
         let mapping = opts.validate()?;
+        if !sigbus::install() {
+            warn!("no SIGBUS handler: a frontend shrinking its memory would kill the process");
+        }
         let mem = GuestMemoryAtomic::new(GuestMem::new());
         let mut queue_worker = vec![0usize; usize::from(opts.num_queues)];
         let mut workers = Vec::new();
@@ -114,7 +132,61 @@ impl BlkBackend {
             queue_worker,
             inflight: None,
             registered: Vec::new(),
+            protected: Vec::new(),
+            fatal: None,
         })
+    }
+
+    /// Forgets the SIGBUS registrations of guest memory regions that are unmapped by now
+    /// (the queue workers drop their last references to a replaced table asynchronously).
+    pub(crate) fn prune_protected(&mut self) {
+        self.protected.retain(|p| p.region.strong_count() > 0);
+    }
+
+    /// Why the frontend must be dropped, if it sent a memory file that was refused.
+    pub(crate) fn take_fatal(&mut self) -> Option<String> {
+        self.fatal.take()
+    }
+
+    /// Records a refused memory file (the frontend is dropped after the reply) and turns the
+    /// refusal into the protocol error answered to it (and logged by the server).
+    fn refuse(&mut self, e: Error) -> VuError {
+        self.fatal = Some(e.to_string());
+        err(e)
+    }
+
+    /// Checks the file of memory region `r` (`what` names it), maps it and registers the mapping
+    /// with the SIGBUS handler; the registration is pushed to `protected`.
+    fn map_region(
+        &mut self,
+        what: String,
+        r: &VhostUserMemoryRegion,
+        file: File,
+        protected: &mut Vec<Protected>,
+    ) -> VuResult<Arc<GuestRegionMmap<()>>> {
+        // Copies: the message struct is packed.
+        let (gpa, size, offset) = (r.guest_phys_addr, r.memory_size, r.mmap_offset);
+        let what = format!("{what} (gpa {gpa:#x}, size {size:#x}, mmap_offset {offset:#x})");
+        let checked = match check_mappable(&file, what, offset, size) {
+            Ok(c) => c,
+            Err(e) => return Err(self.refuse(e.into())),
+        };
+        let region = Arc::new(
+            GuestRegionMmap::new(r.mmap_region(file)?, GuestAddress(gpa))
+                .ok_or_else(|| err("memory region overflows the address space"))?,
+        );
+        if let Some(p) = sigbus::protect(
+            region.as_ptr(),
+            region.len() as usize,
+            checked.block_size,
+            &self.shared.poison,
+        ) {
+            protected.push(Protected {
+                region: Arc::downgrade(&region),
+                _protection: p,
+            });
+        }
+        Ok(region)
     }
 
     fn vring(&mut self, index: u32) -> VuResult<&mut Vring> {
@@ -149,6 +221,8 @@ impl BlkBackend {
             dev.register_memory(a as *mut u8, l);
         }
         self.registered = now;
+        // Mappings that are gone leave the SIGBUS registry.
+        self.prune_protected();
     }
 
     fn protocol_negotiated(&self) -> bool {
@@ -288,6 +362,7 @@ impl BlkBackend {
             g.replace(GuestMem::new());
         }
         self.sync_registration();
+        self.fatal = None;
     }
 
     fn config(&self) -> [u8; CONFIG_SPACE_LEN] {
@@ -382,19 +457,21 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         }
         let mut regions = Vec::with_capacity(ctx.len());
         let mut mappings = Vec::with_capacity(ctx.len());
-        for (r, f) in ctx.iter().zip(files) {
-            let region = GuestRegionMmap::new(r.mmap_region(f)?, GuestAddress(r.guest_phys_addr))
-                .ok_or_else(|| err("memory region overflows the address space"))?;
-            regions.push(region);
+        let mut protected = Vec::with_capacity(ctx.len());
+        // On any refusal the regions mapped so far are dropped (unmapped) with their
+        // registrations, and the previous table stays in place.
+        for (i, (r, f)) in ctx.iter().zip(files).enumerate() {
+            regions.push(self.map_region(format!("memory region {i}"), r, f, &mut protected)?);
             mappings.push(Mapping {
                 user_addr: r.user_addr,
                 size: r.memory_size,
                 gpa: r.guest_phys_addr,
             });
         }
-        let mem = GuestMem::from_regions(regions).map_err(err)?;
+        let mem = GuestMem::from_arc_regions(regions).map_err(err)?;
         self.mem.lock().map_err(err)?.replace(mem);
         self.mappings = mappings;
+        self.protected.extend(protected);
         self.sync_registration();
         debug!(regions = ctx.len(), "memory table set");
         Ok(None)
@@ -586,8 +663,12 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         {
             return Err(VuError::InvalidParam);
         }
-        let region =
-            InflightRegion::create(inflight.num_queues, inflight.queue_size).map_err(err)?;
+        let region = InflightRegion::create_protected(
+            inflight.num_queues,
+            inflight.queue_size,
+            Some(&self.shared.poison),
+        )
+        .map_err(err)?;
         let file = region
             .file()
             .try_clone()
@@ -599,14 +680,18 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
-        let region = InflightRegion::open(
+        let region = match InflightRegion::open_protected(
             file,
             inflight.mmap_offset,
             inflight.mmap_size,
             inflight.num_queues,
             inflight.queue_size,
-        )
-        .map_err(err)?;
+            Some(&self.shared.poison),
+        ) {
+            Ok(r) => r,
+            Err(e @ Error::Fd(_)) => return Err(self.refuse(e)),
+            Err(e) => return Err(err(e)),
+        };
         self.inflight = Some(Arc::new(region));
         Ok(())
     }
@@ -627,15 +712,12 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         if self.mappings.len() as u64 >= MAX_MEM_SLOTS {
             return Err(VuError::InvalidParam);
         }
-        let r = Arc::new(
-            GuestRegionMmap::new(
-                region.mmap_region(fd)?,
-                GuestAddress(region.guest_phys_addr),
-            )
-            .ok_or_else(|| err("memory region overflows the address space"))?,
-        );
+        let mut protected = Vec::with_capacity(1);
+        let slot = self.mappings.len();
+        let r = self.map_region(format!("memory slot {slot}"), region, fd, &mut protected)?;
         let mem = self.mem.memory().insert_region(r).map_err(err)?;
         self.mem.lock().map_err(err)?.replace(mem);
+        self.protected.extend(protected);
         self.mappings.push(Mapping {
             user_addr: region.user_addr,
             size: region.memory_size,

@@ -17,6 +17,8 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
+use crate::fdcheck::check_mappable;
+use crate::sigbus::{self, Poison, Protection};
 use crate::Error;
 
 const HEADER: usize = 16;
@@ -37,6 +39,8 @@ pub struct InflightRegion {
     file: File,
     num_queues: u16,
     queue_size: u16,
+    /// Registration with the SIGBUS handler (the frontend holds the file and may shrink it).
+    protection: Option<Protection>,
 }
 
 // SAFETY: the mapping is owned by the region and only accessed through volatile reads and writes
@@ -49,6 +53,16 @@ unsafe impl Sync for InflightRegion {}
 impl InflightRegion {
     /// Creates a zeroed region in a new memfd (`GET_INFLIGHT_FD`).
     pub fn create(num_queues: u16, queue_size: u16) -> Result<Self, Error> {
+        Self::create_protected(num_queues, queue_size, None)
+    }
+
+    /// [`InflightRegion::create`], with the mapping registered with the SIGBUS handler on
+    /// behalf of the connection `poison` (the frontend gets the file and may shrink it).
+    pub(crate) fn create_protected(
+        num_queues: u16,
+        queue_size: u16,
+        poison: Option<&Arc<Poison>>,
+    ) -> Result<Self, Error> {
         if num_queues == 0 || queue_size == 0 {
             return Err(Error::Config("inflight region with no queues".into()));
         }
@@ -62,7 +76,7 @@ impl InflightRegion {
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(len as u64)
             .map_err(|e| Error::Sys("ftruncate inflight", e))?;
-        let region = Self::map(file, 0, len, num_queues, queue_size)?;
+        let region = Self::map(file, 0, len, num_queues, queue_size, 0, poison)?;
         for q in 0..num_queues {
             let iq = region.queue_raw(q);
             iq.set_u16(8, VERSION);
@@ -71,13 +85,27 @@ impl InflightRegion {
         Ok(region)
     }
 
-    /// Maps a region handed back by the frontend (`SET_INFLIGHT_FD`).
+    /// Maps a region handed back by the frontend (`SET_INFLIGHT_FD`). The file must be a
+    /// regular file (a memfd) covering `[offset, offset + size)`.
     pub fn open(
         file: File,
         offset: u64,
         size: u64,
         num_queues: u16,
         queue_size: u16,
+    ) -> Result<Self, Error> {
+        Self::open_protected(file, offset, size, num_queues, queue_size, None)
+    }
+
+    /// [`InflightRegion::open`], with the mapping registered with the SIGBUS handler on behalf
+    /// of the connection `poison` before it is first touched.
+    pub(crate) fn open_protected(
+        file: File,
+        offset: u64,
+        size: u64,
+        num_queues: u16,
+        queue_size: u16,
+        poison: Option<&Arc<Poison>>,
     ) -> Result<Self, Error> {
         let need = usize::from(num_queues) * queue_region_size(queue_size);
         let len = usize::try_from(size).map_err(|_| Error::Config("inflight size".into()))?;
@@ -86,7 +114,21 @@ impl InflightRegion {
                 "inflight region of {size} bytes is too small for {num_queues} queues of {queue_size}"
             )));
         }
-        let region = Self::map(file, offset, len, num_queues, queue_size)?;
+        let checked = check_mappable(
+            &file,
+            format!("inflight region ({num_queues} queues of {queue_size})"),
+            offset,
+            size,
+        )?;
+        let region = Self::map(
+            file,
+            offset,
+            len,
+            num_queues,
+            queue_size,
+            checked.block_size,
+            poison,
+        )?;
         for q in 0..num_queues {
             let iq = region.queue_raw(q);
             if iq.get_u16(8) == 0 {
@@ -103,13 +145,18 @@ impl InflightRegion {
         Ok(region)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn map(
         file: File,
         offset: u64,
         len: usize,
         num_queues: u16,
         queue_size: u16,
+        block_size: u64,
+        poison: Option<&Arc<Poison>>,
     ) -> Result<Self, Error> {
+        let offset = libc::off_t::try_from(offset)
+            .map_err(|_| Error::Config(format!("inflight offset {offset:#x} out of range")))?;
         // SAFETY: a shared mapping of a file we own, with no address hint; the result is checked.
         let base = unsafe {
             libc::mmap(
@@ -118,18 +165,20 @@ impl InflightRegion {
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
-                offset as libc::off_t,
+                offset,
             )
         };
         if base == libc::MAP_FAILED {
             return Err(Error::Sys("mmap inflight", std::io::Error::last_os_error()));
         }
+        let protection = poison.and_then(|p| sigbus::protect(base.cast(), len, block_size, p));
         Ok(InflightRegion {
             base: base.cast(),
             len,
             file,
             num_queues,
             queue_size,
+            protection,
         })
     }
 
@@ -176,6 +225,9 @@ impl InflightRegion {
 
 impl Drop for InflightRegion {
     fn drop(&mut self) {
+        // Unregistered before the unmap: nothing touches the region any more, and the address
+        // range must not stay registered once something else can be mapped there.
+        self.protection = None;
         // SAFETY: unmaps exactly the mapping made in `map`; every `InflightQueue` holds an `Arc`
         // to this region, so none is left pointing into it.
         unsafe { libc::munmap(self.base.cast(), self.len) };
@@ -309,5 +361,52 @@ mod tests {
         assert_eq!(q2.recover(2), (vec![1], 3));
         assert!(r2.queue(2).is_none());
         assert!(InflightRegion::open(r.file().try_clone().unwrap(), 0, 16, 2, 8).is_err());
+    }
+
+    /// A file handed back that does not cover the mapping is refused before it is mapped.
+    #[test]
+    fn short_or_odd_files_are_refused() {
+        let r = InflightRegion::create(1, 8).unwrap();
+        let f = r.file().try_clone().unwrap();
+        f.set_len(0).unwrap();
+        let e = InflightRegion::open(f, 0, r.size(), 1, 8).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Fd(crate::fdcheck::FdError::TooSmall { file_size: 0, .. })
+            ),
+            "{e}"
+        );
+        let f = r.file().try_clone().unwrap();
+        f.set_len(2 * r.size()).unwrap();
+        // Offset past the end, and offset + size past the end.
+        assert!(InflightRegion::open(f.try_clone().unwrap(), 1 << 20, r.size(), 1, 8).is_err());
+        assert!(InflightRegion::open(f.try_clone().unwrap(), 4096, 2 * r.size(), 1, 8).is_err());
+        assert!(InflightRegion::open(f, u64::MAX - 4095, r.size(), 1, 8).is_err());
+        let dir = File::open("/").unwrap();
+        assert!(matches!(
+            InflightRegion::open(dir, 0, r.size(), 1, 8),
+            Err(Error::Fd(crate::fdcheck::FdError::NotRegular { .. }))
+        ));
+    }
+
+    /// The frontend shrinks the inflight file under a running queue: the next record faults,
+    /// the fault is absorbed and the connection poisoned instead of the process killed.
+    #[test]
+    fn shrunk_inflight_file_poisons_the_connection() {
+        let poison = Poison::new().unwrap();
+        let r = Arc::new(InflightRegion::create_protected(1, 256, Some(&poison)).unwrap());
+        let q = r.queue(0).unwrap();
+        q.begin(1, 1);
+        assert!(!poison.is_poisoned());
+        r.file().set_len(0).unwrap();
+        q.begin(2, 2);
+        assert!(poison.is_poisoned());
+        // The faulting page was replaced by a zero page, where the write that faulted then
+        // landed: the first record is lost, the second one kept, nothing faults any more.
+        assert_eq!(q.recover(0), (vec![2], 2));
+        drop(q);
+        drop(r);
+        assert_eq!(Arc::strong_count(&poison), 1, "registration not released");
     }
 }

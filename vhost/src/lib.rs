@@ -7,6 +7,9 @@
 //! - [`queue`] runs one worker thread per queue (or per configured group of queues) with
 //!   adaptive polling, moving data between guest memory and the device with no copy.
 //! - [`chain`] and [`request`] walk and parse descriptor chains strictly.
+//! - [`fdcheck`] refuses memory files that do not cover what the frontend asks to map, and
+//!   `sigbus` keeps a frontend that shrinks them afterwards from killing the process: a fault
+//!   in its memory costs only its own connection.
 //!
 //! It is built on the rust-vmm `vhost` crate's protocol handling rather than on
 //! `vhost-user-backend`, whose handler does not support `INFLIGHT_SHMFD` (needed so a frontend
@@ -18,10 +21,12 @@
 pub mod backend;
 pub mod chain;
 pub mod config;
+pub mod fdcheck;
 pub mod inflight;
 pub(crate) mod queue;
 pub mod request;
 pub mod server;
+pub(crate) mod sigbus;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -66,6 +71,9 @@ pub enum Error {
     /// The vhost-user protocol layer failed.
     #[error("vhost-user: {0}")]
     Protocol(#[from] vhost::vhost_user::Error),
+    /// A memory file sent by the frontend was refused.
+    #[error("refused memory file: {0}")]
+    Fd(#[from] fdcheck::FdError),
 }
 
 /// I/O counters of one device.

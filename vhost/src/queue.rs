@@ -24,6 +24,7 @@ use crate::chain::{self, Seg};
 use crate::config::SECTOR_SIZE;
 use crate::inflight::InflightQueue;
 use crate::request::{self, Kind, Range, Request, Status};
+use crate::sigbus::Poison;
 use crate::{Error, GuestMem};
 
 /// State of the device shared by the backend and its workers.
@@ -35,6 +36,9 @@ pub(crate) struct DeviceShared {
     pub poll: Duration,
     pub seg_max: usize,
     pub stats: crate::Stats,
+    /// Set by the SIGBUS handler when the frontend's memory faulted: its queues are not served
+    /// any more and the server drops it.
+    pub poison: Arc<Poison>,
 }
 
 /// A started virtqueue, handed to a worker.
@@ -237,6 +241,9 @@ impl Worker {
         if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
             return None;
         }
+        if self.shared.poison.is_poisoned() {
+            self.fail_poisoned();
+        }
         let mem = self.mem.memory().into_inner();
         let mut progress = false;
         for i in 0..self.queues.len() {
@@ -244,6 +251,21 @@ impl Worker {
         }
         self.finish_stops();
         Some((mem, progress))
+    }
+
+    /// The frontend's memory faulted (it shrank a memory file under us): stop taking requests
+    /// and touching the rings of every queue; the server drops the frontend, which stops them.
+    fn fail_poisoned(&mut self) {
+        let addr = self.shared.poison.fault_addr();
+        for q in self.queues.iter_mut().filter(|q| !q.broken) {
+            error!(
+                queue = q.ctx.index,
+                fault_addr = format_args!("{addr:#x}"),
+                "frontend memory became inaccessible (SIGBUS: the frontend shrank its guest \
+                 memory or inflight file); queue stopped"
+            );
+            q.broken = true;
+        }
     }
 
     /// One iteration under an external runtime; false once the worker has exited.
@@ -529,6 +551,9 @@ impl Worker {
         // ring is empty (a polling worker looks many times between requests).
         let mut info: Option<katablk_bdev::DeviceInfo> = None;
         loop {
+            if shared.poison.is_poisoned() {
+                break;
+            }
             let q = &mut self.queues[i];
             let Some(&slot_idx) = q.free.last() else {
                 break;
@@ -865,6 +890,7 @@ mod tests {
             poll: Duration::ZERO,
             seg_max: 62,
             stats: Default::default(),
+            poison: Poison::new().unwrap(),
         });
         Worker {
             epoll: Epoll::new().unwrap(),

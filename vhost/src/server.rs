@@ -9,12 +9,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use katablk_bdev::{sync::SyncIo, BlockDevice};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::BlkBackend;
 use crate::queue::DeviceShared;
+use crate::sigbus::Poison;
 use crate::{BlkOptions, Error, StatsSnapshot};
 
 /// Longest usable unix socket path (`sun_path` is 108 bytes with the terminating NUL).
@@ -208,22 +209,16 @@ fn prepare_socket_path(path: &Path) -> Result<(), Error> {
     }
 }
 
-fn poll_two(a: i32, b: i32, timeout_ms: i32) -> std::io::Result<(bool, bool)> {
-    let mut fds = [
-        libc::pollfd {
-            fd: a,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: b,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+/// Waits until one of `fds` is readable (or hung up); returns which are.
+fn poll_fds<const N: usize>(fds: [i32; N], timeout_ms: i32) -> std::io::Result<[bool; N]> {
+    let mut pfds = fds.map(|fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    });
     loop {
-        // SAFETY: `fds` is a valid array of two pollfd structures for the duration of the call.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        // SAFETY: `pfds` is a valid array of N pollfd structures for the duration of the call.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), N as libc::nfds_t, timeout_ms) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -231,7 +226,7 @@ fn poll_two(a: i32, b: i32, timeout_ms: i32) -> std::io::Result<(bool, bool)> {
             }
             return Err(e);
         }
-        return Ok((fds[0].revents != 0, fds[1].revents != 0));
+        return Ok(pfds.map(|p| p.revents != 0));
     }
 }
 
@@ -254,6 +249,7 @@ impl VhostBlkServer {
             seg_max: opts.seg_max() as usize,
             serial: opts.serial.clone(),
             stats: Default::default(),
+            poison: Poison::new()?,
             dev,
         });
         let backend = Arc::new(Mutex::new(BlkBackend::new(shared.clone(), opts)?));
@@ -345,7 +341,7 @@ impl VhostBlkServer {
         let lfd = self.listener.as_raw_fd();
         let sfd = self.stop.as_raw_fd();
         loop {
-            let (ready, stop) = poll_two(lfd, sfd, -1).map_err(|e| Error::Sys("poll", e))?;
+            let [ready, stop] = poll_fds([lfd, sfd], -1).map_err(|e| Error::Sys("poll", e))?;
             if stop {
                 return Ok(());
             }
@@ -360,6 +356,12 @@ impl VhostBlkServer {
                 }
             };
             info!("frontend connected");
+            // The previous frontend's mappings are gone or no longer accessed: a fault now
+            // belongs to this one.
+            if let Ok(mut b) = self.backend.lock() {
+                b.prune_protected();
+            }
+            self.shared.poison.reset();
             self.connected.store(true, Ordering::Release);
             let stopped = self.serve_connection(stream);
             if let Ok(mut c) = self.channel.lock() {
@@ -381,11 +383,16 @@ impl VhostBlkServer {
         let mut handler = BackendReqHandler::from_stream(stream, self.backend.clone());
         let cfd = handler.as_raw_fd();
         let sfd = self.stop.as_raw_fd();
+        let pfd = self.shared.poison.wake_fd();
         loop {
-            match poll_two(cfd, sfd, -1) {
-                Ok((_, true)) => return true,
-                Ok((false, false)) => continue,
-                Ok((true, false)) => {}
+            match poll_fds([cfd, sfd, pfd], -1) {
+                Ok([_, true, _]) => return true,
+                Ok([_, _, true]) => {
+                    self.drop_poisoned();
+                    return false;
+                }
+                Ok([false, false, false]) => continue,
+                Ok([true, false, false]) => {}
                 Err(e) => {
                     warn!("poll: {e}");
                     return false;
@@ -415,6 +422,31 @@ impl VhostBlkServer {
                     return false;
                 }
             }
+            if self
+                .backend
+                .lock()
+                .ok()
+                .and_then(|mut b| b.take_fatal())
+                .is_some()
+            {
+                // Refused (and logged) above: a frontend that sends memory it does not back is
+                // broken or hostile, and without REPLY_ACK it could not even be told.
+                warn!("dropping frontend after refusing its memory file");
+                return false;
+            }
+            if self.shared.poison.is_poisoned() {
+                self.drop_poisoned();
+                return false;
+            }
         }
+    }
+
+    fn drop_poisoned(&self) {
+        let addr = self.shared.poison.fault_addr();
+        error!(
+            fault_addr = format_args!("{addr:#x}"),
+            "dropping frontend: its memory became inaccessible (SIGBUS: its guest memory or \
+             inflight file was shrunk under a running queue)"
+        );
     }
 }

@@ -1,0 +1,750 @@
+//! A hostile vhost-user frontend must never kill the daemon with SIGBUS (issue 18, finding V1).
+//!
+//! A raw frontend speaks the wire format directly (12-byte header: request, flags, size; then
+//! the payload; descriptors in SCM_RIGHTS) to a `katablk-vhost` child process and sends memory
+//! files that do not back what it asks to map: an inflight file smaller than its mapping,
+//! memory regions longer than their file, an `mmap_offset` past the end of the file, a
+//! descriptor chain pointing past the end of a file, files that are not regular files, and a
+//! memory file shrunk under a running queue. After each attack the test checks that
+//! (a) the attacked daemon is still running,
+//! (b) the attack got an error reply (a NACK with `REPLY_ACK`) or a disconnect,
+//! (c) a well-behaved libblkio client of another daemon (connected before the attack) still
+//!     does I/O, and so does a fresh libblkio client of the attacked daemon.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{pattern, Client, Server};
+use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap,
+    MmapRegion,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+// Frontend request codes.
+const GET_FEATURES: u32 = 1;
+const SET_FEATURES: u32 = 2;
+const SET_OWNER: u32 = 3;
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const SET_VRING_ADDR: u32 = 9;
+const SET_VRING_BASE: u32 = 10;
+const SET_VRING_KICK: u32 = 12;
+const SET_VRING_CALL: u32 = 13;
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const SET_PROTOCOL_FEATURES: u32 = 16;
+const SET_VRING_ENABLE: u32 = 18;
+const GET_INFLIGHT_FD: u32 = 31;
+const SET_INFLIGHT_FD: u32 = 32;
+const ADD_MEM_REG: u32 = 37;
+
+// Header flags.
+const VERSION: u32 = 0x1;
+const REPLY: u32 = 0x4;
+const NEED_REPLY: u32 = 0x8;
+
+const F_VERSION_1: u64 = 1 << 32;
+const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+const PF_MQ: u64 = 1 << 0;
+const PF_REPLY_ACK: u64 = 1 << 3;
+const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
+const PF_CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const QSIZE: u16 = 16;
+
+fn memfd(len: u64) -> File {
+    // SAFETY: memfd_create with a NUL-terminated name; checked below.
+    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(len).unwrap();
+    f
+}
+
+/// What the backend answered.
+#[derive(Debug, PartialEq, Eq)]
+enum Reply {
+    /// A `REPLY_ACK` (or u64) reply: 0 is success.
+    Ack(u64),
+    /// The backend closed the connection.
+    Closed,
+}
+
+/// A frontend that writes the vhost-user wire format itself.
+struct Raw {
+    sock: UnixStream,
+}
+
+impl Raw {
+    fn connect(path: &Path) -> Raw {
+        let sock = UnixStream::connect(path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        Raw { sock }
+    }
+
+    /// Sends one message; an error means the backend is gone.
+    fn send(&self, req: u32, flags: u32, payload: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+        let mut msg = Vec::with_capacity(12 + payload.len());
+        msg.extend_from_slice(&req.to_le_bytes());
+        msg.extend_from_slice(&flags.to_le_bytes());
+        msg.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        msg.extend_from_slice(payload);
+        let mut iov = libc::iovec {
+            iov_base: msg.as_mut_ptr().cast(),
+            iov_len: msg.len(),
+        };
+        // Room for 8 descriptors, u64-aligned as cmsghdr needs.
+        let mut cmsg = [0u64; 8];
+        assert!(fds.len() <= 8);
+        // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live local buffers.
+        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+        mh.msg_iov = &mut iov;
+        mh.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let bytes = std::mem::size_of_val(fds) as u32;
+            mh.msg_control = cmsg.as_mut_ptr().cast();
+            // SAFETY: CMSG_SPACE is a pure size computation.
+            mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
+            // SAFETY: the control buffer is large enough for one SCM_RIGHTS header and its
+            // descriptors (checked above); CMSG_FIRSTHDR/CMSG_DATA point into it.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&mh);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+                std::ptr::copy_nonoverlapping(
+                    fds.as_ptr(),
+                    libc::CMSG_DATA(c).cast::<RawFd>(),
+                    fds.len(),
+                );
+            }
+        }
+        // SAFETY: `mh` describes valid buffers for the duration of the call.
+        let n = unsafe { libc::sendmsg(self.sock.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        assert_eq!(n as usize, msg.len(), "short send");
+        Ok(())
+    }
+
+    /// Reads the reply to `req`.
+    fn reply(&mut self, req: u32) -> Reply {
+        let mut hdr = [0u8; 12];
+        match self.sock.read_exact(&mut hdr) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Reply::Closed
+            }
+            Err(e) => panic!("no reply to request {req}: {e}"),
+        }
+        let word = |i: usize| u32::from_le_bytes(hdr[i * 4..i * 4 + 4].try_into().unwrap());
+        assert_eq!(word(0), req, "reply to another request");
+        assert_ne!(word(1) & REPLY, 0, "not a reply");
+        let mut body = vec![0u8; word(2) as usize];
+        if self.sock.read_exact(&mut body).is_err() {
+            return Reply::Closed;
+        }
+        assert_eq!(body.len(), 8, "unexpected reply size");
+        Reply::Ack(u64::from_le_bytes(body[..8].try_into().unwrap()))
+    }
+
+    /// Sends `req` asking for an acknowledgement, and returns it.
+    fn request(&mut self, req: u32, payload: &[u8], fds: &[RawFd]) -> Reply {
+        if self.send(req, VERSION | NEED_REPLY, payload, fds).is_err() {
+            return Reply::Closed;
+        }
+        self.reply(req)
+    }
+
+    /// Sends `req` and reads its reply, which carries `body` bytes and one descriptor.
+    fn request_fd(&mut self, req: u32, payload: &[u8], body: usize) -> (Vec<u8>, File) {
+        self.send(req, VERSION, payload, &[]).unwrap();
+        let mut buf = vec![0u8; 12 + body];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        let mut cmsg = [0u64; 8];
+        // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live local buffers.
+        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+        mh.msg_iov = &mut iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = cmsg.as_mut_ptr().cast();
+        mh.msg_controllen = std::mem::size_of_val(&cmsg);
+        // SAFETY: `mh` describes valid buffers for the duration of the call.
+        let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
+        assert_eq!(n as usize, buf.len(), "short reply to request {req}");
+        // SAFETY: recvmsg filled the control buffer, bounded by msg_controllen; an SCM_RIGHTS
+        // payload is an array of descriptors now owned by this process.
+        let fd = unsafe {
+            let c = libc::CMSG_FIRSTHDR(&mh);
+            assert!(!c.is_null(), "no descriptor in the reply to request {req}");
+            assert_eq!((*c).cmsg_type, libc::SCM_RIGHTS);
+            File::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>()))
+        };
+        let word = |i: usize| u32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().unwrap());
+        assert_eq!(word(0), req);
+        assert_eq!(word(2) as usize, body);
+        (buf[12..].to_vec(), fd)
+    }
+
+    fn get_u64(&mut self, req: u32) -> u64 {
+        self.send(req, VERSION, &[], &[]).unwrap();
+        match self.reply(req) {
+            Reply::Ack(v) => v,
+            Reply::Closed => panic!("closed on request {req}"),
+        }
+    }
+
+    /// Features, protocol features (with `REPLY_ACK`, so refusals are answered), owner.
+    fn handshake(&mut self) {
+        let f = self.get_u64(GET_FEATURES);
+        let want = F_VERSION_1 | F_PROTOCOL_FEATURES;
+        assert_eq!(f & want, want);
+        self.send(SET_FEATURES, VERSION, &want.to_le_bytes(), &[])
+            .unwrap();
+        let pf = self.get_u64(GET_PROTOCOL_FEATURES);
+        let want = PF_MQ | PF_REPLY_ACK | PF_INFLIGHT_SHMFD | PF_CONFIGURE_MEM_SLOTS;
+        assert_eq!(pf & want, want);
+        self.send(SET_PROTOCOL_FEATURES, VERSION, &want.to_le_bytes(), &[])
+            .unwrap();
+        assert_eq!(self.request(SET_OWNER, &[], &[]), Reply::Ack(0));
+    }
+
+    /// True once the backend has closed the connection (within 10 s).
+    fn wait_closed(&mut self) -> bool {
+        let t = Instant::now();
+        let mut buf = [0u8; 64];
+        while t.elapsed() < Duration::from_secs(10) {
+            match self.sock.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return false
+                }
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        false
+    }
+}
+
+/// One region of a SET_MEM_TABLE / ADD_MEM_REG payload.
+fn region(gpa: u64, size: u64, uaddr: u64, offset: u64) -> Vec<u8> {
+    [gpa, size, uaddr, offset]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
+}
+
+fn mem_table(regions: &[Vec<u8>]) -> Vec<u8> {
+    let mut p = (regions.len() as u32).to_le_bytes().to_vec();
+    p.extend_from_slice(&[0u8; 4]);
+    for r in regions {
+        p.extend_from_slice(r);
+    }
+    p
+}
+
+fn add_mem_reg(r: &[u8]) -> Vec<u8> {
+    let mut p = vec![0u8; 8];
+    p.extend_from_slice(r);
+    p
+}
+
+fn inflight(mmap_size: u64, mmap_offset: u64, num_queues: u16, queue_size: u16) -> Vec<u8> {
+    let mut p = mmap_size.to_le_bytes().to_vec();
+    p.extend_from_slice(&mmap_offset.to_le_bytes());
+    p.extend_from_slice(&num_queues.to_le_bytes());
+    p.extend_from_slice(&queue_size.to_le_bytes());
+    p.extend_from_slice(&[0u8; 4]);
+    p
+}
+
+fn vring_state(index: u32, num: u32) -> Vec<u8> {
+    let mut p = index.to_le_bytes().to_vec();
+    p.extend_from_slice(&num.to_le_bytes());
+    p
+}
+
+/// The attacked daemon, a neighbour daemon and a libblkio client of the neighbour.
+struct Node {
+    _dir: tempfile::TempDir,
+    attacked: Server,
+    neighbour_srv: Server,
+    neighbour: Client,
+    round: u8,
+}
+
+impl Node {
+    fn new() -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let attacked = Server::start(
+            &dir.path().join("attacked.sock"),
+            &["--malloc", "16", "--queue-size", "256"],
+        );
+        let mut neighbour_srv =
+            Server::start(&dir.path().join("neighbour.sock"), &["--malloc", "16"]);
+        let neighbour = connect_client(&mut neighbour_srv, "start");
+        let mut n = Node {
+            _dir: dir,
+            attacked,
+            neighbour_srv,
+            neighbour,
+            round: 0,
+        };
+        n.neighbour_io();
+        n
+    }
+
+    fn attacker(&self) -> Raw {
+        let mut r = Raw::connect(&self.attacked.socket);
+        r.handshake();
+        r
+    }
+
+    fn neighbour_io(&mut self) {
+        self.round += 1;
+        let off = u64::from(self.round) * 64 * KIB;
+        let data = pattern(off, 64 * KIB as usize, self.round);
+        assert_eq!(self.neighbour.write(0, off, &data), 0, "neighbour write");
+        assert_eq!(
+            self.neighbour.read(0, off, data.len()).unwrap(),
+            data,
+            "neighbour read"
+        );
+    }
+
+    /// (a) the attacked daemon runs, (c) the neighbour and a fresh client of the attacked
+    /// daemon do I/O.
+    fn check_healthy(&mut self, what: &str) {
+        self.neighbour_io();
+        let mut c = connect_client(&mut self.attacked, what);
+        let off = 3 * MIB;
+        let data = pattern(off, 8192, self.round);
+        assert_eq!(c.write(0, off, &data), 0, "{what}: fresh client write");
+        assert_eq!(
+            c.read(0, off, data.len()).unwrap(),
+            data,
+            "{what}: fresh client read"
+        );
+        drop(c);
+        assert_running(&mut self.attacked, what);
+        assert_running(&mut self.neighbour_srv, what);
+    }
+}
+
+fn assert_running(srv: &mut Server, what: &str) {
+    let st = srv.child.as_mut().unwrap().try_wait().unwrap();
+    assert!(
+        st.is_none(),
+        "{what}: daemon {} died: {st:?}",
+        srv.socket.display()
+    );
+}
+
+/// A libblkio client, retried while the daemon is still finishing its previous frontend.
+fn connect_client(srv: &mut Server, what: &str) -> Client {
+    let t = Instant::now();
+    let sock = srv.socket.clone();
+    loop {
+        match Client::connect(&sock, 1, false) {
+            Ok(c) => return c,
+            Err(e) if t.elapsed() < Duration::from_secs(10) => {
+                assert_running(srv, what);
+                eprintln!("client connect: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("{what}: client connect: {e}"),
+        }
+    }
+}
+
+/// (b): the attack got a NACK and then a disconnect, or the disconnect at once.
+fn assert_refused(raw: &mut Raw, r: Reply, what: &str) {
+    match r {
+        Reply::Ack(0) => panic!("{what}: accepted"),
+        Reply::Ack(_) | Reply::Closed => {}
+    }
+    assert!(raw.wait_closed(), "{what}: frontend not dropped");
+}
+
+/// The issue's reproducer verbatim (no REPLY_ACK, so no reply is possible): SET_INFLIGHT_FD
+/// with a 0-byte memfd. Then the same with REPLY_ACK, with a 4 KiB memfd for an 8 KiB mapping,
+/// and with the mapping past the end of a large enough file.
+#[test]
+fn inflight_fd_smaller_than_its_mapping_is_refused() {
+    let mut node = Node::new();
+
+    let mut raw = Raw::connect(&node.attacked.socket);
+    raw.send(
+        SET_PROTOCOL_FEATURES,
+        VERSION,
+        &PF_INFLIGHT_SHMFD.to_le_bytes(),
+        &[],
+    )
+    .unwrap();
+    let f = memfd(0);
+    raw.send(
+        SET_INFLIGHT_FD,
+        VERSION,
+        &inflight(MIB, 0, 1, 256),
+        &[f.as_raw_fd()],
+    )
+    .unwrap();
+    assert!(raw.wait_closed(), "reproducer: frontend not dropped");
+    node.check_healthy("0-byte inflight memfd");
+
+    for (file_len, size, offset) in [(4 * KIB, 8 * KIB, 0), (64 * KIB, 8 * KIB, 60 * KIB)] {
+        let mut raw = node.attacker();
+        let f = memfd(file_len);
+        let r = raw.request(
+            SET_INFLIGHT_FD,
+            &inflight(size, offset, 1, 256),
+            &[f.as_raw_fd()],
+        );
+        let what = format!("inflight {size} bytes at {offset} of a {file_len}-byte memfd");
+        assert_refused(&mut raw, r, &what);
+        node.check_healthy(&what);
+    }
+}
+
+/// A 64 TiB memory region on a 4 KiB memfd, by SET_MEM_TABLE and by ADD_MEM_REG.
+#[test]
+fn memory_region_longer_than_its_file_is_refused() {
+    let mut node = Node::new();
+    let f = memfd(4 * KIB);
+    let huge = region(0, 64 << 40, 0x7f00_0000_0000, 0);
+
+    let mut raw = node.attacker();
+    let r = raw.request(
+        SET_MEM_TABLE,
+        &mem_table(std::slice::from_ref(&huge)),
+        &[f.as_raw_fd()],
+    );
+    assert_refused(&mut raw, r, "SET_MEM_TABLE 64 TiB on 4 KiB");
+    node.check_healthy("SET_MEM_TABLE 64 TiB on 4 KiB");
+
+    // A valid first region, then a second one longer than its file.
+    let good = memfd(MIB);
+    let mut raw = node.attacker();
+    let r = raw.request(
+        SET_MEM_TABLE,
+        &mem_table(&[
+            region(0, MIB, 0x7e00_0000_0000, 0),
+            region(MIB, 64 << 40, 0x7f00_0000_0000, 0),
+        ]),
+        &[good.as_raw_fd(), f.as_raw_fd()],
+    );
+    assert_refused(&mut raw, r, "SET_MEM_TABLE second region too long");
+    node.check_healthy("SET_MEM_TABLE second region too long");
+
+    let mut raw = node.attacker();
+    let r = raw.request(ADD_MEM_REG, &add_mem_reg(&huge), &[f.as_raw_fd()]);
+    assert_refused(&mut raw, r, "ADD_MEM_REG 64 TiB on 4 KiB");
+    node.check_healthy("ADD_MEM_REG 64 TiB on 4 KiB");
+}
+
+/// `mmap_offset` past the end of the file (and an offset whose sum with the size overflows).
+#[test]
+fn mmap_offset_past_end_of_file_is_refused() {
+    let mut node = Node::new();
+    let f = memfd(64 * KIB);
+    let cases = [
+        (
+            "offset 1 MiB in a 64 KiB memfd",
+            region(0, 4 * KIB, 0x7f00_0000_0000, MIB),
+        ),
+        (
+            "region ending 4 KiB past the end",
+            region(0, 64 * KIB, 0x7f00_0000_0000, 4 * KIB),
+        ),
+        (
+            "offset + size overflows",
+            region(0, 64 * KIB, 0x7f00_0000_0000, u64::MAX - 4095),
+        ),
+        (
+            "offset past i64::MAX",
+            region(0, 4 * KIB, 0x7f00_0000_0000, 1 << 63),
+        ),
+    ];
+    for (what, r) in &cases {
+        let mut raw = node.attacker();
+        let reply = raw.request(
+            SET_MEM_TABLE,
+            &mem_table(std::slice::from_ref(r)),
+            &[f.as_raw_fd()],
+        );
+        assert_refused(&mut raw, reply, what);
+        node.check_healthy(what);
+
+        let mut raw = node.attacker();
+        let reply = raw.request(ADD_MEM_REG, &add_mem_reg(r), &[f.as_raw_fd()]);
+        assert_refused(&mut raw, reply, &format!("ADD_MEM_REG {what}"));
+        node.check_healthy(what);
+    }
+}
+
+/// Descriptors that are not regular files: a directory, a FIFO, a socket, a character device.
+#[test]
+fn memory_fds_that_are_not_regular_files_are_refused() {
+    let mut node = Node::new();
+    let dir = tempfile::tempdir().unwrap();
+    let d = File::open(dir.path()).unwrap();
+    let null = File::open("/dev/null").unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors are fresh and owned by nobody else.
+    let (pr, _pw) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    let (sa, _sb) = UnixStream::pair().unwrap();
+    for (what, fd) in [
+        ("directory", d.as_raw_fd()),
+        ("/dev/null", null.as_raw_fd()),
+        ("FIFO", pr.as_raw_fd()),
+        ("socket", sa.as_raw_fd()),
+    ] {
+        let mut raw = node.attacker();
+        let r = raw.request(
+            SET_MEM_TABLE,
+            &mem_table(&[region(0, 64 * KIB, 0x7f00_0000_0000, 0)]),
+            &[fd],
+        );
+        assert_refused(&mut raw, r, &format!("memory table on a {what}"));
+        let mut raw = node.attacker();
+        let r = raw.request(SET_INFLIGHT_FD, &inflight(8 * KIB, 0, 1, 256), &[fd]);
+        assert_refused(&mut raw, r, &format!("inflight on a {what}"));
+        node.check_healthy(what);
+    }
+}
+
+/// Guest memory of the attacker, mapped in the test: a memfd of `len` bytes at gpa 0.
+struct Guest {
+    mem: GuestMemoryMmap<()>,
+    file: File,
+    host: u64,
+    len: u64,
+}
+
+fn guest(len: u64) -> Guest {
+    let file = memfd(len);
+    let r =
+        MmapRegion::from_file(FileOffset::new(file.try_clone().unwrap(), 0), len as usize).unwrap();
+    let mem =
+        GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(r, GuestAddress(0)).unwrap()])
+            .unwrap();
+    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+    Guest {
+        mem,
+        file,
+        host,
+        len,
+    }
+}
+
+/// A write of 512 bytes from `data` to `sector`, header and status in the first page:
+/// descriptors `first..first + 3`.
+fn write_chain(g: &Guest, first: u16, hdr: u64, data: u64, sector: u64) -> [RawDescriptor; 3] {
+    let mut h = [0u8; 16];
+    h[..4].copy_from_slice(&1u32.to_le_bytes()); // VIRTIO_BLK_T_OUT
+    h[8..].copy_from_slice(&sector.to_le_bytes());
+    g.mem.write_slice(&h, GuestAddress(hdr)).unwrap();
+    g.mem.write_obj(0xffu8, GuestAddress(hdr + 0x100)).unwrap();
+    [
+        RawDescriptor::from(SplitDescriptor::new(hdr, 16, 1, first + 1)),
+        RawDescriptor::from(SplitDescriptor::new(data, 512, 1, first + 2)),
+        RawDescriptor::from(SplitDescriptor::new(hdr + 0x100, 1, 2, 0)),
+    ]
+}
+
+/// Sets up queue 0 on the mock queue's rings in `g` (memory table: `g` at gpa 0) and checks
+/// that a write from `g`'s first page through the queue completes. Returns the kick eventfd.
+fn start_queue(raw: &mut Raw, g: &Guest, q: &MockSplitQueue<GuestMemoryMmap<()>>) -> EventFd {
+    let len = g.len;
+    assert_eq!(
+        raw.request(
+            SET_MEM_TABLE,
+            &mem_table(&[region(0, len, g.host, 0)]),
+            &[g.file.as_raw_fd()]
+        ),
+        Reply::Ack(0)
+    );
+    assert_eq!(
+        raw.request(SET_VRING_NUM, &vring_state(0, u32::from(QSIZE)), &[]),
+        Reply::Ack(0)
+    );
+    assert_eq!(
+        raw.request(SET_VRING_BASE, &vring_state(0, 0), &[]),
+        Reply::Ack(0)
+    );
+    let mut addr = vring_state(0, 0);
+    for a in [q.desc_table_addr(), q.used_addr(), q.avail_addr()] {
+        addr.extend_from_slice(&(g.host + a.0).to_le_bytes());
+    }
+    addr.extend_from_slice(&0u64.to_le_bytes());
+    assert_eq!(raw.request(SET_VRING_ADDR, &addr, &[]), Reply::Ack(0));
+    let call = EventFd::new(0).unwrap();
+    let kick = EventFd::new(0).unwrap();
+    assert_eq!(
+        raw.request(SET_VRING_CALL, &0u64.to_le_bytes(), &[call.as_raw_fd()]),
+        Reply::Ack(0)
+    );
+    assert_eq!(
+        raw.request(SET_VRING_KICK, &0u64.to_le_bytes(), &[kick.as_raw_fd()]),
+        Reply::Ack(0)
+    );
+    assert_eq!(
+        raw.request(SET_VRING_ENABLE, &vring_state(0, 1), &[]),
+        Reply::Ack(0)
+    );
+    // A first write from the first page: the queue works.
+    q.add_desc_chains(&write_chain(g, 0, 0x800, 0xc00, 8), 0)
+        .unwrap();
+    kick.write(1).unwrap();
+    wait_used(q, 1);
+    assert_eq!(g.mem.read_obj::<u8>(GuestAddress(0x900)).unwrap(), 0);
+    kick
+}
+
+fn wait_used(q: &MockSplitQueue<GuestMemoryMmap<()>>, n: u16) {
+    let t = Instant::now();
+    while q.used().idx().load() < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "request not completed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A running queue, then ADD_MEM_REG of a region at gpa 1 MiB longer than its 4 KiB file and a
+/// request whose header lies in it, 512 KiB past the end of the file. The region is refused
+/// and the request never succeeds (the attacker kicks anyway): it is either not taken before
+/// the frontend is dropped or failed with IOERR, its header not being in guest memory.
+#[test]
+fn descriptor_past_end_of_file_is_never_read() {
+    let mut node = Node::new();
+    let g = guest(64 * KIB);
+    let q = MockSplitQueue::new(&g.mem, QSIZE);
+    let mut raw = node.attacker();
+    let kick = start_queue(&mut raw, &g, &q);
+
+    let short = memfd(4 * KIB);
+    let r = raw.request(
+        ADD_MEM_REG,
+        &add_mem_reg(&region(MIB, MIB, 0x7f00_0000_0000, 0)),
+        &[short.as_raw_fd()],
+    );
+    // The chain: header at gpa 1 MiB + 512 KiB, data and status in the first region.
+    let hdr = MIB + 512 * KIB;
+    let descs = [
+        RawDescriptor::from(SplitDescriptor::new(hdr, 16, 1, 4)),
+        RawDescriptor::from(SplitDescriptor::new(0x2000, 512, 1, 5)),
+        RawDescriptor::from(SplitDescriptor::new(0x3000, 1, 2, 0)),
+    ];
+    g.mem.write_obj(0xffu8, GuestAddress(0x3000)).unwrap();
+    q.add_desc_chains(&descs, 3).unwrap();
+    kick.write(1).unwrap();
+    assert_refused(
+        &mut raw,
+        r,
+        "ADD_MEM_REG 1 MiB on 4 KiB, header past the end",
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    // Not taken before the frontend was dropped, or failed: never read from past the end of
+    // the file nor completed successfully.
+    let status = g.mem.read_obj::<u8>(GuestAddress(0x3000)).unwrap();
+    assert_ne!(status, 0, "request past the end of the file succeeded");
+    assert!(q.used().idx().load() <= 2);
+    node.check_healthy("descriptor past the end of the file");
+}
+
+/// The frontend shrinks its 1 MiB memory file to 4 KiB under a running queue, then kicks a
+/// write whose data buffer lies in the upper half: the backend's access faults, the fault is
+/// absorbed, the attacker's connection is dropped, everything else goes on.
+#[test]
+fn memory_shrunk_under_a_running_queue_costs_only_that_connection() {
+    let mut node = Node::new();
+    let g = guest(MIB);
+    let q = MockSplitQueue::new(&g.mem, QSIZE);
+    let mut raw = node.attacker();
+    let kick = start_queue(&mut raw, &g, &q);
+
+    // Data in the upper half, written while it still exists.
+    let data = 768 * KIB;
+    g.mem.write_slice(&[0x5a; 512], GuestAddress(data)).unwrap();
+    let chain = write_chain(&g, 3, 0x810, data, 16);
+    g.file.set_len(4 * KIB).unwrap();
+    // From here on the test touches only the first page (the rings, header, status).
+    q.add_desc_chains(&chain, 3).unwrap();
+    kick.write(1).unwrap();
+    assert!(
+        raw.wait_closed(),
+        "the frontend whose memory vanished was not dropped"
+    );
+    node.check_healthy("memory shrunk under a running queue");
+
+    // A second attacker in a row truncates its whole memory file, rings included, and kicks:
+    // the worker faults reading the available ring. The test no longer touches that memory.
+    let g = guest(MIB);
+    let q = MockSplitQueue::new(&g.mem, QSIZE);
+    let mut raw = node.attacker();
+    let kick = start_queue(&mut raw, &g, &q);
+    g.file.set_len(0).unwrap();
+    kick.write(1).unwrap();
+    assert!(
+        raw.wait_closed(),
+        "the frontend whose rings vanished was not dropped"
+    );
+    node.check_healthy("whole memory file truncated");
+}
+
+/// GET_INFLIGHT_FD hands the frontend the backend's own inflight memfd: the frontend shrinks it
+/// to nothing under a running queue and kicks a request, whose recording in the inflight region
+/// faults in the worker. Only the attacker's connection is lost.
+#[test]
+fn inflight_file_shrunk_under_a_running_queue_costs_only_that_connection() {
+    let mut node = Node::new();
+    let g = guest(MIB);
+    let q = MockSplitQueue::new(&g.mem, QSIZE);
+    let mut raw = node.attacker();
+    let (body, file) = raw.request_fd(GET_INFLIGHT_FD, &inflight(0, 0, 1, QSIZE), 24);
+    let size = u64::from_le_bytes(body[..8].try_into().unwrap());
+    assert!(size >= 16 + 16 * u64::from(QSIZE));
+    assert_eq!(file.metadata().unwrap().len(), size);
+    let kick = start_queue(&mut raw, &g, &q);
+    file.set_len(0).unwrap();
+    q.add_desc_chains(&write_chain(&g, 3, 0x810, 0xe00, 16), 3)
+        .unwrap();
+    kick.write(1).unwrap();
+    assert!(
+        raw.wait_closed(),
+        "the frontend whose inflight region vanished was not dropped"
+    );
+    node.check_healthy("inflight file shrunk under a running queue");
+}
