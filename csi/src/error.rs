@@ -117,9 +117,22 @@ impl CsiError {
     }
 }
 
+/// The longest message a CSI error carries: messages quote caller input, which can be huge.
+pub const MAX_MESSAGE_LEN: usize = 1024;
+
 impl From<CsiError> for Status {
     fn from(e: CsiError) -> Self {
-        Status::new(e.code(), e.to_string())
+        let mut m = e.to_string();
+        if m.len() > MAX_MESSAGE_LEN {
+            let mut end = MAX_MESSAGE_LEN;
+            while !m.is_char_boundary(end) {
+                end -= 1;
+            }
+            let total = m.len();
+            m.truncate(end);
+            m.push_str(&format!("… ({total} bytes)"));
+        }
+        Status::new(e.code(), m)
     }
 }
 

@@ -110,8 +110,25 @@ fn blk_err(e: blkio::Error) -> CsiError {
     CsiError::Internal(format!("vhost-user-blk client: {e}"))
 }
 
+/// How long [`Dev::connect`] retries a refused connection: a controller's socket file appears
+/// at `bind()`, a moment before the target listens on it.
+const CONNECT_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Dev {
     fn connect(socket: &Path, read_only: bool) -> Result<Self> {
+        let t0 = std::time::Instant::now();
+        loop {
+            match Self::connect_once(socket, read_only) {
+                Err(e) if t0.elapsed() < CONNECT_RETRY => {
+                    tracing::debug!(socket = %socket.display(), error = %e, "retrying connect");
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn connect_once(socket: &Path, read_only: bool) -> Result<Self> {
         let path = socket
             .to_str()
             .ok_or_else(|| CsiError::Internal(format!("socket path {socket:?} is not UTF-8")))?;

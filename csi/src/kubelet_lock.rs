@@ -24,6 +24,7 @@ use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
 use crate::error::{CsiError, Result};
+use crate::safe_path::{self, Kind};
 
 /// First bytes of every map file this driver creates; then `volume <alias>\n`, then zeroes up
 /// to 4 KiB.
@@ -84,13 +85,23 @@ fn clean_backing(s: &str) -> &str {
 }
 
 /// The loop devices (`/dev/loopN`) whose backing file is `path`, found the way kubelet finds them
-/// (`getLoopDeviceFromSysfs`: every `/sys/block/loop*/loop/backing_file`).
+/// (`getLoopDeviceFromSysfs`: every `/sys/block/loop*/loop/backing_file`, compared with the path
+/// and with the path with its directories' symlinks resolved, which is what sysfs shows).
 pub fn loops_of(path: &Path) -> Vec<PathBuf> {
+    let real = real_path(path);
     all_loops()
         .into_iter()
-        .filter(|(_, f)| Path::new(f) == path)
+        .filter(|(_, f)| Path::new(f) == path || Path::new(f) == real)
         .map(|(dev, _)| dev)
         .collect()
+}
+
+/// `path` with the symlinks of its directories resolved (the last component as it is).
+fn real_path(path: &Path) -> PathBuf {
+    match (path.parent().map(Path::canonicalize), path.file_name()) {
+        (Some(Ok(dir)), Some(name)) => dir.join(name),
+        _ => path.to_path_buf(),
+    }
 }
 
 /// Whether `map` is locked the way kubelet wants: a loop device backs it, or kubelet's mapping
@@ -135,8 +146,12 @@ fn parse_marker(head: &[u8]) -> Option<String> {
 
 /// Reads the first bytes of a file or device (fewer if it is shorter).
 fn head_of(path: &Path) -> std::io::Result<Vec<u8>> {
+    read_head(std::fs::File::open(path)?)
+}
+
+fn read_head(f: std::fs::File) -> std::io::Result<Vec<u8>> {
     let mut buf = Vec::with_capacity(512);
-    std::fs::File::open(path)?.take(512).read_to_end(&mut buf)?;
+    f.take(512).read_to_end(&mut buf)?;
     Ok(buf)
 }
 
@@ -181,16 +196,20 @@ pub enum Prepared {
 
 /// Makes kubelet's lock step for `map` succeed: the map file exists as a regular file of this
 /// driver's, naming volume `alias`, and a read-only loop device is attached to it. Idempotent.
-pub fn prepare(map: &Path, alias: &str) -> Result<Prepared> {
-    let parent = map.parent().ok_or_else(|| {
-        CsiError::InvalidArgument(format!("map file {} has no parent", map.display()))
+/// `map` is below `kubelet_dir` and walked without following symlinks
+/// ([`crate::safe_path`]).
+pub fn prepare(kubelet_dir: &Path, map: &Path, alias: &str) -> Result<Prepared> {
+    let r = safe_path::resolve(kubelet_dir, map, true)?.ok_or_else(|| {
+        CsiError::Internal(format!("map file {} has no directory", map.display()))
     })?;
-    match std::fs::symlink_metadata(map) {
-        Ok(md) if md.file_type().is_file() => {
-            let head = head_of(map).map_err(|e| CsiError::io("read", map, e))?;
+    match r.kind()? {
+        Kind::File => {
+            let head = r
+                .open_read()
+                .and_then(|f| read_head(f).map_err(|e| CsiError::io("read", map, e)))?;
             if head.is_empty() {
                 // Empty: created by kubelet's mapBindMountDevice before a failed mount.
-                write_map_file(map, alias)?;
+                write_map_file(&r, alias)?;
             } else if parse_marker(&head).as_deref() != Some(alias) {
                 return Err(CsiError::FailedPrecondition(format!(
                     "kubelet map file {} exists and is not katablk's for volume {alias}; \
@@ -199,30 +218,30 @@ pub fn prepare(map: &Path, alias: &str) -> Result<Prepared> {
                 )));
             }
         }
-        Ok(md) if is_device(&md) => return Ok(Prepared::AlreadyMapped),
-        Ok(_) => {
+        Kind::Other if is_device_at(&r.real) => return Ok(Prepared::AlreadyMapped),
+        Kind::Absent => write_map_file(&r, alias)?,
+        _ => {
             return Err(CsiError::FailedPrecondition(format!(
                 "kubelet map file {} exists and is not a regular file",
                 map.display()
             )))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            create_dirs(parent)?;
-            write_map_file(map, alias)?;
-        }
-        Err(e) => return Err(CsiError::io("stat", map, e)),
     }
-    if let Some(dev) = loops_of(map).into_iter().find(|d| is_ours(d)) {
+    if let Some(dev) = loops_of(&r.real).into_iter().find(|d| is_ours(d)) {
         return Ok(Prepared::Loop(dev));
     }
     let dev = losetup(&[
         "-r".as_ref(),
         "-f".as_ref(),
         "--show".as_ref(),
-        map.as_os_str(),
+        r.real.as_os_str(),
     ])?;
     tracing::info!(map = %map.display(), loop_device = %dev, "kubelet lock prepared");
     Ok(Prepared::Loop(PathBuf::from(dev)))
+}
+
+fn is_device_at(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|md| is_device(&md))
 }
 
 fn is_device(md: &std::fs::Metadata) -> bool {
@@ -230,19 +249,8 @@ fn is_device(md: &std::fs::Metadata) -> bool {
     md.file_type().is_block_device() || md.file_type().is_char_device()
 }
 
-/// kubelet creates the map directory with 0750 (`MapDevice`); so does this.
-fn create_dirs(dir: &Path) -> Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o750)
-        .create(dir)
-        .map_err(|e| CsiError::io("create", dir, e))
-}
-
-fn write_map_file(map: &Path, alias: &str) -> Result<()> {
+fn write_map_file(r: &safe_path::Resolved, alias: &str) -> Result<()> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let mut text = MARKER.to_vec();
     text.extend_from_slice(format!("volume {alias}\n").as_bytes());
     if text.len() > 512 {
@@ -252,23 +260,16 @@ fn write_map_file(map: &Path, alias: &str) -> Result<()> {
     }
     let mut data = vec![0u8; FILE_LEN];
     data[..text.len()].copy_from_slice(&text);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(map)
-        .map_err(|e| CsiError::io("create", map, e))?;
+    let mut f = r.open_write(0o600)?;
     f.write_all(&data)
         .and_then(|()| f.sync_all())
-        .map_err(|e| CsiError::io("write", map, e))
+        .map_err(|e| CsiError::io("write", &r.path, e))
 }
 
-/// Undoes [`prepare`] for `map`: detaches the loop devices of ours on it and removes the file
-/// if it is still this driver's regular file (kubelet's unmap normally did both already).
-/// Returns the loop devices detached.
-pub fn release(map: &Path) -> Result<Vec<PathBuf>> {
+/// Undoes [`prepare`] for `map` (below `kubelet_dir`): detaches the loop devices of ours on it
+/// and removes the file if it is still this driver's regular file (kubelet's unmap normally did
+/// both already). Returns the loop devices detached.
+pub fn release(kubelet_dir: &Path, map: &Path) -> Result<Vec<PathBuf>> {
     let mut gone = Vec::new();
     for dev in loops_of(map) {
         if !is_ours(&dev) {
@@ -280,12 +281,15 @@ pub fn release(map: &Path) -> Result<Vec<PathBuf>> {
         tracing::info!(map = %map.display(), loop_device = %dev.display(), "kubelet lock released");
         gone.push(dev);
     }
-    if let Ok(md) = std::fs::symlink_metadata(map) {
-        if md.file_type().is_file()
-            && !crate::mounts::is_mount_point(map)?
-            && head_of(map).is_ok_and(|h| parse_marker(&h).is_some())
+    if let Some(r) = safe_path::resolve(kubelet_dir, map, false)? {
+        if r.kind()? == Kind::File
+            && !r.is_mount_point()?
+            && r.open_read()
+                .ok()
+                .and_then(|f| read_head(f).ok())
+                .is_some_and(|h| parse_marker(&h).is_some())
         {
-            crate::kata::remove_if_exists(map)?;
+            r.remove()?;
         }
     }
     Ok(gone)
@@ -295,20 +299,30 @@ pub fn release(map: &Path) -> Result<Vec<PathBuf>> {
 /// map (the file is not covered by a bind mount), with the volume each names: candidates for
 /// reconciliation, which releases those no publication wants (left behind when the driver was
 /// killed between its steps, or a pod went away while it was down).
+///
+/// sysfs shows backing files with the kubelet directory's symlinks resolved; the map files
+/// returned are under `kubelet_dir` as configured (what publications record).
 pub fn unmapped_locks(kubelet_dir: &Path) -> Vec<(PathBuf, String)> {
     let base = kubelet_dir.join(VOLUME_DEVICES);
+    let real_base = kubelet_dir
+        .canonicalize()
+        .map_or_else(|_| base.clone(), |k| k.join(VOLUME_DEVICES));
     let mut out = Vec::new();
-    for (dev, file) in all_loops() {
-        let file = PathBuf::from(file);
-        let Ok(rest) = file.strip_prefix(&base) else {
+    for (dev, backing) in all_loops() {
+        let backing = PathBuf::from(backing);
+        let Ok(rest) = backing
+            .strip_prefix(&real_base)
+            .or_else(|_| backing.strip_prefix(&base))
+        else {
             continue;
         };
+        let file = base.join(rest);
         let shape = rest.components().count() == 3
             && rest
                 .components()
                 .nth(1)
                 .is_some_and(|c| c.as_os_str() == "dev");
-        if !shape || crate::mounts::is_mount_point(&file).unwrap_or(true) {
+        if !shape || crate::mounts::is_mount_point(&backing).unwrap_or(true) {
             continue;
         }
         if let Some(alias) = owner_of_loop(&dev) {

@@ -5,6 +5,7 @@
 //! - [`identity`], [`controller`], [`node`]: the three CSI services (gRPC glue + logic).
 //! - [`kata`]: the vhost-user store layout and direct-assigned volume `mountInfo.json`.
 //! - [`mounts`], [`format`]: bind mounts; formatting through the controller socket.
+//! - [`safe_path`]: target paths walked below the kubelet directory without following links.
 //! - [`kubelet_lock`]: the loop device kubelet's Block volume mapping looks for.
 //! - [`volume`], [`volume_lock`]: ids, names, path validation; per-volume serialisation.
 //! - [`node_config`], [`reconcile`], [`state`]: declared storage, restart repair, state files.
@@ -24,6 +25,7 @@ pub mod mounts;
 pub mod node;
 pub mod node_config;
 pub mod reconcile;
+pub mod safe_path;
 pub mod state;
 pub mod volume;
 pub mod volume_lock;

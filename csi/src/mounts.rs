@@ -126,6 +126,48 @@ pub fn unmount(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Remounts the bind mount at `path` read-only.
+pub fn remount_read_only(path: &Path) -> Result<()> {
+    let d = cstr(path)?;
+    // SAFETY: `d` is a valid NUL-terminated path alive for the call; null source, fstype and
+    // data are allowed for a bind remount.
+    let r = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            d.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(CsiError::io(
+            "remount read-only",
+            path,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// Unmounts every mount stacked on `path` without following a symlink in its last component
+/// (`UMOUNT_NOFOLLOW`); "not mounted" is success.
+pub fn unmount_nofollow(path: &Path) -> Result<()> {
+    let c = cstr(path)?;
+    for _ in 0..64 {
+        // SAFETY: valid NUL-terminated path alive for the call.
+        let r = unsafe { libc::umount2(c.as_ptr(), libc::UMOUNT_NOFOLLOW) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(()),
+                _ => Err(CsiError::io("unmount", path, e)),
+            };
+        }
+    }
+    Ok(())
+}
+
 /// True if `path` is mounted read-only (from mountinfo's per-mount options, field 6).
 pub fn is_read_only_mount(path: &Path) -> Result<bool> {
     let p = Path::new("/proc/self/mountinfo");

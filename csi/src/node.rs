@@ -26,7 +26,7 @@ use crate::driver::{bdev_size, Driver};
 use crate::error::{CsiError, Result};
 use crate::kata::{self, KataRuntime};
 use crate::kubelet_lock::{self, LockMode};
-use crate::mounts;
+use crate::safe_path::{self, Kind};
 use crate::state::Publication;
 use crate::volume::{check_socket_path, require_id, validate_path, LvolId};
 
@@ -139,40 +139,56 @@ pub async fn delete_controller(d: &Driver, ctrlr: &str) -> Result<()> {
     }
 }
 
-/// Bind-mounts the device node onto `target` (a file) unless already mounted.
-pub fn publish_block_target(device: &Path, target: &Path, readonly: bool) -> Result<()> {
-    if let Some(parent) = target.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| CsiError::io("create", parent, e))?;
-    }
-    if mounts::is_mount_point(target)? {
+/// Bind-mounts the device node onto `target` (a file below `kubelet_dir`, walked without
+/// following symlinks) unless already mounted.
+pub fn publish_block_target(
+    kubelet_dir: &Path,
+    device: &Path,
+    target: &Path,
+    readonly: bool,
+) -> Result<()> {
+    let r = safe_path::resolve(kubelet_dir, target, true)?.ok_or_else(|| {
+        CsiError::Internal(format!("target {} has no directory", target.display()))
+    })?;
+    if r.is_mount_point()? {
         return Ok(());
     }
-    match std::fs::symlink_metadata(target) {
-        Ok(md) if md.is_dir() => {
+    match r.kind()? {
+        Kind::Dir => {
             // A directory from the CO: replace it by the file a block target must be.
-            std::fs::remove_dir(target).map_err(|e| CsiError::io("remove", target, e))?;
-            std::fs::File::create(target).map_err(|e| CsiError::io("create", target, e))?;
+            r.remove()?;
+            r.create_file(0o640)?;
         }
-        Ok(_) => {}
-        Err(_) => {
-            std::fs::File::create(target).map_err(|e| CsiError::io("create", target, e))?;
+        Kind::Absent => {
+            r.create_file(0o640)?;
+        }
+        Kind::File => {}
+        Kind::Symlink => {
+            return Err(CsiError::InvalidArgument(format!(
+                "target_path {} is a symlink; it is never followed",
+                target.display()
+            )))
+        }
+        Kind::Other => {
+            return Err(CsiError::FailedPrecondition(format!(
+                "target_path {} is a device, FIFO or socket, not a file",
+                target.display()
+            )))
         }
     }
-    mounts::bind_mount(device, target, readonly)
+    r.bind_from(device, readonly)
 }
 
-/// Unmounts and removes a target path (file or empty directory); absent is success.
-pub fn remove_target(target: &Path) -> Result<()> {
-    mounts::unmount(target)?;
-    match std::fs::symlink_metadata(target) {
-        Ok(md) if md.is_dir() => match std::fs::remove_dir(target) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(CsiError::io("remove", target, e)),
-        },
-        Ok(_) => kata::remove_if_exists(target),
-        Err(_) => Ok(()),
+/// Unmounts and removes a target path below `kubelet_dir` (file or empty directory); absent is
+/// success. A symlink there is removed itself: nothing is unmounted through it.
+pub fn remove_target(kubelet_dir: &Path, target: &Path) -> Result<()> {
+    let Some(r) = safe_path::resolve(kubelet_dir, target, false)? else {
+        return Ok(());
+    };
+    if r.kind()? != Kind::Symlink {
+        r.unmount_all()?;
     }
+    r.remove()
 }
 
 impl NodeService {
@@ -188,8 +204,20 @@ impl NodeService {
     /// A volume path of a stats/expand call: one outside the kubelet directory (or not
     /// absolute, or with `..`) cannot be a volume this driver published, so it is `NOT_FOUND`.
     fn existing_volume_path(&self, p: &str) -> Result<PathBuf> {
-        self.target(p, "volume_path")
-            .map_err(|e| CsiError::NotFound(format!("no volume at volume_path: {e}")))
+        let path = self
+            .target(p, "volume_path")
+            .map_err(|e| CsiError::NotFound(format!("no volume at volume_path: {e}")))?;
+        // Walked without following links: a symlink names no volume of this driver.
+        let kind = safe_path::resolve(&self.d.cfg.kubelet_dir, &path, false)
+            .map_err(|e| CsiError::NotFound(format!("no volume at volume_path: {e}")))?
+            .map_or(Ok(Kind::Absent), |r| r.kind())?;
+        if matches!(kind, Kind::Absent | Kind::Symlink) {
+            return Err(CsiError::NotFound(format!(
+                "volume_path {} does not exist",
+                path.display()
+            )));
+        }
+        Ok(path)
     }
 
     async fn publish(&self, r: csi::NodePublishVolumeRequest) -> Result<()> {
@@ -208,6 +236,15 @@ impl NodeService {
         }
         let target = self.target(&r.target_path, "target_path")?;
         let id = require_id(&r.volume_id, "volume")?;
+        // A symlink on the way is refused before anything is recorded or made.
+        if let Some(res) = safe_path::resolve(&self.d.cfg.kubelet_dir, &target, false)? {
+            if res.kind()? == Kind::Symlink {
+                return Err(CsiError::InvalidArgument(format!(
+                    "target_path {} is a symlink; it is never followed",
+                    target.display()
+                )));
+            }
+        }
         let _g = self.d.locks.lock(&id.alias()).await;
         let b = self
             .d
@@ -260,6 +297,21 @@ impl NodeService {
             }
         };
         let ctrlr = id.ctrlr_name();
+        // Another volume at this target (kubelet never does that): its unpublish would unmount
+        // the other one.
+        if let Some((other, _)) = self
+            .d
+            .state
+            .published
+            .all()
+            .into_iter()
+            .find(|(a, p)| p.target_path == target && *a != id.alias())
+        {
+            return Err(CsiError::FailedPrecondition(format!(
+                "target_path {} is in use by volume {other}",
+                target.display()
+            )));
+        }
         let prev = self.d.state.published.get(&id.alias());
         if let Some(p) = &prev {
             if p.target_path != target {
@@ -326,9 +378,9 @@ impl NodeService {
         match &fstype {
             None => {
                 let dev = self.d.store.device_path(&ctrlr);
-                publish_block_target(&dev, &target, readonly)?;
+                publish_block_target(&self.d.cfg.kubelet_dir, &dev, &target, readonly)?;
                 if let Some(map) = &kubelet_map {
-                    kubelet_lock::prepare(map, &id.alias())?;
+                    kubelet_lock::prepare(&self.d.cfg.kubelet_dir, map, &id.alias())?;
                 }
                 tracing::info!(volume_id = %id, target = %target.display(), minor, readonly,
                     "block volume published");
@@ -338,7 +390,11 @@ impl NodeService {
                     self.ensure_filesystem(&id, &b, &ctrlr, fs, readonly)
                         .await?;
                 }
-                std::fs::create_dir_all(&target).map_err(|e| CsiError::io("create", &target, e))?;
+                safe_path::resolve(&self.d.cfg.kubelet_dir, &target, true)?
+                    .ok_or_else(|| {
+                        CsiError::Internal(format!("no directory for {}", target.display()))
+                    })?
+                    .create_dir()?;
                 let info = rec.mount_info(&self.d.store, &id.alias()).ok_or_else(|| {
                     CsiError::Internal(format!("volume {id}: no mountInfo for its record"))
                 })?;
@@ -399,8 +455,8 @@ impl NodeService {
         let target = self.target(&r.target_path, "target_path")?;
         let Some(id) = LvolId::parse(&r.volume_id) else {
             return Err(CsiError::NotFound(format!(
-                "volume {:?} does not exist",
-                r.volume_id
+                "volume {} does not exist",
+                crate::volume::shown(&r.volume_id)
             )));
         };
         let _g = self.d.locks.lock(&id.alias()).await;
@@ -410,6 +466,20 @@ impl NodeService {
             .published
             .get(&id.alias())
             .filter(|p| p.target_path == target);
+        // The target belongs to another volume's publication: nothing here is this volume's.
+        if rec.is_none()
+            && self
+                .d
+                .state
+                .published
+                .all()
+                .iter()
+                .any(|(a, p)| p.target_path == target && *a != id.alias())
+        {
+            tracing::info!(volume_id = %id, target = %target.display(),
+                "unpublish of a target another volume is published at: nothing to do");
+            return Ok(());
+        }
         // kubelet's unmap normally released its lock already; what is left of ours goes now.
         let map = rec
             .as_ref()
@@ -419,10 +489,20 @@ impl NodeService {
                     .then(|| kubelet_lock::map_file(&self.d.cfg.kubelet_dir, &target).ok())
                     .flatten()
             });
+        // A path that now leads through a symlink is not followed: it is left as it is (nothing
+        // of ours can be behind it any more) and the rest of the volume is cleaned up.
+        let not_followed = |r: Result<()>| match r {
+            Err(CsiError::InvalidArgument(m)) => {
+                tracing::warn!(volume_id = %id, target = %target.display(), reason = %m,
+                    "unpublish leaves a path it cannot walk without following links");
+                Ok(())
+            }
+            r => r,
+        };
         if let Some(map) = &map {
-            kubelet_lock::release(map)?;
+            not_followed(kubelet_lock::release(&self.d.cfg.kubelet_dir, map).map(drop))?;
         }
-        remove_target(&target)?;
+        not_followed(remove_target(&self.d.cfg.kubelet_dir, &target))?;
         kata::remove_mount_info(&self.d.cfg.direct_volumes_dir, &target)?;
         if let Some(p) = rec {
             delete_controller(&self.d, &p.ctrlr).await?;
@@ -446,12 +526,6 @@ impl NodeService {
         }
         let id = require_id(&r.volume_id, "volume")?;
         let path = self.existing_volume_path(&r.volume_path)?;
-        if std::fs::symlink_metadata(&path).is_err() {
-            return Err(CsiError::NotFound(format!(
-                "volume_path {} does not exist",
-                path.display()
-            )));
-        }
         let b = self
             .d
             .lvol(&id)
@@ -534,7 +608,11 @@ impl NodeService {
             }
         }
         if p.fstype.is_none() {
-            if !mounts::is_mount_point(path)? {
+            let mounted = match safe_path::resolve(&self.d.cfg.kubelet_dir, path, false)? {
+                Some(r) => r.is_mount_point()?,
+                None => false,
+            };
+            if !mounted {
                 return Ok(abnormal(format!("{} is not mounted", path.display())));
             }
             if let Some(map) = &p.kubelet_map {
@@ -563,18 +641,12 @@ impl NodeService {
             return Err(CsiError::InvalidArgument("volume_path is required".into()));
         }
         let id = require_id(&r.volume_id, "volume")?;
-        let path = self.existing_volume_path(&r.volume_path)?;
+        self.existing_volume_path(&r.volume_path)?;
         let b = self
             .d
             .lvol(&id)
             .await?
             .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
-        if std::fs::symlink_metadata(&path).is_err() {
-            return Err(CsiError::NotFound(format!(
-                "volume_path {} does not exist",
-                path.display()
-            )));
-        }
         let size = bdev_size(&b);
         if let Some(req) = r.capacity_range.as_ref().map(|c| c.required_bytes) {
             if req > 0 && size < req as u64 {

@@ -38,6 +38,8 @@ pub struct Report {
     pub orphan_locks: Vec<std::path::PathBuf>,
     /// Filesystem publications whose `mountInfo.json` was written again.
     pub mount_infos: Vec<std::path::PathBuf>,
+    /// Publications that could not be restored this pass (logged; retried next pass).
+    pub failed: Vec<String>,
 }
 
 /// Controller names referenced by `mountInfo.json` files in the direct-volumes directory.
@@ -95,51 +97,11 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
         let Some(p) = d.state.published.get(vid).filter(|q| q == p) else {
             continue;
         };
-        let Some(b) = d.lvol(&id).await? else {
-            tracing::warn!(volume_id = %vid, "published volume's lvol is missing");
-            rep.missing_volumes.push(vid.clone());
-            continue;
-        };
-        let had = ctrls.iter().any(|c| c.ctrlr == p.ctrlr);
-        ensure_controller(d, &id, &b, &p.ctrlr, p.readonly, p.cpumask.as_deref()).await?;
-        if !had {
-            tracing::info!(volume_id = %vid, ctrlr = %p.ctrlr, "controller restored");
-            d.metrics.reconciled("controller_restored");
-            rep.restored.push(p.ctrlr.clone());
-        }
-        if p.needs_device_node() {
-            let minor = {
-                let _m = d.minors.lock().await;
-                d.store.ensure_device_node(&p.ctrlr, p.minor)?
-            };
-            if p.minor != Some(minor) {
-                tracing::warn!(volume_id = %vid, old = ?p.minor, minor,
-                    "device node re-created with another minor");
-                let mut q = p.clone();
-                q.minor = Some(minor);
-                d.state.published.insert(vid, q)?;
-            }
-        }
-        if let Some(info) = p.mount_info(&d.store, vid) {
-            // The direct-volumes directory is on tmpfs: a lost file is written again while the
-            // target directory (the pod's volume) is still there.
-            let have = crate::kata::read_mount_info(&d.cfg.direct_volumes_dir, &p.target_path);
-            if have.as_ref() != Some(&info) && p.target_path.is_dir() {
-                crate::kata::write_mount_info(&d.cfg.direct_volumes_dir, &p.target_path, &info)?;
-                tracing::info!(volume_id = %vid, target = %p.target_path.display(),
-                    "mountInfo.json restored");
-                d.metrics.reconciled("mount_info_restored");
-                rep.mount_infos.push(p.target_path.clone());
-            }
-        }
-        if p.fstype.is_none() && p.target_path.parent().is_some_and(|x| x.exists()) {
-            publish_block_target(&d.store.device_path(&p.ctrlr), &p.target_path, p.readonly)?;
-            if let Some(map) = &p.kubelet_map {
-                if let Err(e) = crate::kubelet_lock::prepare(map, vid) {
-                    tracing::warn!(volume_id = %vid, map = %map.display(), error = %e,
-                        "cannot restore kubelet's lock");
-                }
-            }
+        if let Err(e) = restore_one(d, vid, &id, &p, &ctrls, &mut rep).await {
+            // One bad record must not keep the others from being restored.
+            tracing::warn!(volume_id = %vid, error = %e, "cannot restore publication");
+            d.metrics.reconciled("publication_restore_failed");
+            rep.failed.push(vid.clone());
         }
     }
 
@@ -155,7 +117,7 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
             if wanted {
                 continue;
             }
-            crate::kubelet_lock::release(&map)?;
+            crate::kubelet_lock::release(&d.cfg.kubelet_dir, &map)?;
             tracing::info!(map = %map.display(), volume_id = %alias,
                 "released an orphaned kubelet lock");
             d.metrics.reconciled("orphan_kubelet_lock_released");
@@ -176,6 +138,77 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
     }
     d.refresh_published_gauge();
     Ok(rep)
+}
+
+/// Brings back what one recorded publication needs: controller, device node, `mountInfo.json`,
+/// bind mount and kubelet's lock.
+async fn restore_one(
+    d: &Arc<Driver>,
+    vid: &str,
+    id: &LvolId,
+    p: &crate::state::Publication,
+    ctrls: &[katablk_rpc::methods::VhostController],
+    rep: &mut Report,
+) -> Result<()> {
+    let Some(b) = d.lvol(id).await? else {
+        tracing::warn!(volume_id = %vid, "published volume's lvol is missing");
+        rep.missing_volumes.push(vid.to_owned());
+        return Ok(());
+    };
+    let had = ctrls.iter().any(|c| c.ctrlr == p.ctrlr);
+    ensure_controller(d, id, &b, &p.ctrlr, p.readonly, p.cpumask.as_deref()).await?;
+    if !had {
+        tracing::info!(volume_id = %vid, ctrlr = %p.ctrlr, "controller restored");
+        d.metrics.reconciled("controller_restored");
+        rep.restored.push(p.ctrlr.clone());
+    }
+    if p.needs_device_node() {
+        let minor = {
+            let _m = d.minors.lock().await;
+            d.store.ensure_device_node(&p.ctrlr, p.minor)?
+        };
+        if p.minor != Some(minor) {
+            tracing::warn!(volume_id = %vid, old = ?p.minor, minor,
+                "device node re-created with another minor");
+            let mut q = p.clone();
+            q.minor = Some(minor);
+            d.state.published.insert(vid, q)?;
+        }
+    }
+    if let Some(info) = p.mount_info(&d.store, vid) {
+        // The direct-volumes directory is on tmpfs: a lost file is written again while the
+        // target directory (the pod's volume) is still there.
+        let have = crate::kata::read_mount_info(&d.cfg.direct_volumes_dir, &p.target_path);
+        let target_is_dir = crate::safe_path::resolve(&d.cfg.kubelet_dir, &p.target_path, false)?
+            .map_or(Ok(false), |r| {
+            r.kind().map(|k| k == crate::safe_path::Kind::Dir)
+        })?;
+        if have.as_ref() != Some(&info) && target_is_dir {
+            crate::kata::write_mount_info(&d.cfg.direct_volumes_dir, &p.target_path, &info)?;
+            tracing::info!(volume_id = %vid, target = %p.target_path.display(),
+                "mountInfo.json restored");
+            d.metrics.reconciled("mount_info_restored");
+            rep.mount_infos.push(p.target_path.clone());
+        }
+    }
+    // The target's directory still there (walked without following links): the pod is.
+    let parent_there =
+        crate::safe_path::resolve(&d.cfg.kubelet_dir, &p.target_path, false)?.is_some();
+    if p.fstype.is_none() && parent_there {
+        publish_block_target(
+            &d.cfg.kubelet_dir,
+            &d.store.device_path(&p.ctrlr),
+            &p.target_path,
+            p.readonly,
+        )?;
+        if let Some(map) = &p.kubelet_map {
+            if let Err(e) = crate::kubelet_lock::prepare(&d.cfg.kubelet_dir, map, vid) {
+                tracing::warn!(volume_id = %vid, map = %map.display(), error = %e,
+                    "cannot restore kubelet's lock");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs the node config watcher and reconciliation forever, every `cfg.reconcile_interval`.

@@ -288,7 +288,7 @@ async fn unpublish_and_reconciliation_remove_leftovers_but_no_foreign_loop() {
     let stray = e
         .kubelet()
         .join("plugins/kubernetes.io/csi/volumeDevices/pvc-stray/dev/pod-x");
-    kubelet_lock::prepare(&stray, "lvs0/gone").unwrap();
+    kubelet_lock::prepare(&e.kubelet(), &stray, "lvs0/gone").unwrap();
     assert_eq!(loops_on(&stray).len(), 1);
 
     // A loop device of someone else on a file in the same layout: never touched.
