@@ -6,7 +6,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for p in qemu-utils pkg-config fonts-dejavu-core util-linux e2fsprogs xfsprogs; do
+for p in qemu-utils pkg-config fonts-dejavu-core util-linux e2fsprogs xfsprogs shellcheck; do
     dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

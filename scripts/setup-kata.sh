@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
 done
 case "$runtime" in
 go) sub= ;;
-rs) sub=runtime-rs/ ;;
+rs) sub="runtime-rs/" ;;
 *) echo "setup-kata: --runtime go or rs, not $runtime" >&2; exit 2 ;;
 esac
 config=${config:-/etc/kata-containers/${sub}configuration.toml}

@@ -4,7 +4,7 @@
 //!
 //! - [`identity`], [`controller`], [`node`]: the three CSI services (gRPC glue + logic).
 //! - [`kata`]: the vhost-user store layout and direct-assigned volume `mountInfo.json`.
-//! - [`mounts`], [`format`]: bind mounts; formatting through the controller socket.
+//! - [`mounts`], [`format`](mod@format): bind mounts; formatting through the controller socket.
 //! - [`safe_path`]: target paths walked below the kubelet directory without following links.
 //! - [`kubelet_lock`]: the loop device kubelet's Block volume mapping looks for.
 //! - [`volume`], [`volume_lock`]: ids, names, path validation; per-volume serialisation.

@@ -115,7 +115,7 @@ pub const MAX_COMPONENT_LEN: usize = 255;
 /// How much of a caller's string an error message repeats.
 const SHOWN_LEN: usize = 200;
 
-/// `s` quoted for an error message, cut after [`SHOWN_LEN`] bytes (with its length), so an
+/// `s` quoted for an error message, cut after 200 bytes (with its length), so an
 /// error never echoes a huge input.
 pub fn shown(s: &str) -> String {
     if s.len() <= SHOWN_LEN {

@@ -160,9 +160,10 @@ if [ ! -s "$kdir/vmlinuz" ]; then
     kdir=$cache/kernel-$kver
     rm -rf "$kdir.tmp"
     mkdir -p "$kdir.tmp/x"
+    patterns=("./boot/vmlinuz-*")
+    for m in "${modules[@]}"; do patterns+=("*/$m.ko"); done
     dpkg-deb --fsys-tarfile "$(deb_of "$kernel_pkg")" |
-        tar -x -C "$kdir.tmp/x" --wildcards "./boot/vmlinuz-*" \
-            $(printf '*/%s.ko ' "${modules[@]}")
+        tar -x -C "$kdir.tmp/x" --wildcards "${patterns[@]}"
     mv "$kdir.tmp"/x/boot/vmlinuz-* "$kdir.tmp/vmlinuz"
     mkdir -p "$kdir.tmp/modules"
     for m in "${modules[@]}"; do

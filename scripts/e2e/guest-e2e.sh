@@ -97,6 +97,7 @@ esac
 
 # Sockets must stay under 108 bytes: keep the run's files in a short private directory.
 E2E_RUN_DIR=$(mktemp -d /tmp/katablk-e2e.XXXXXX)
+# shellcheck disable=SC2034  # read by the sourced provider
 E2E_LOG_DIR=$out
 qemu_pid=
 cleanup() {
@@ -113,7 +114,8 @@ failures=0
 
 # Boots one guest against DISK_SOCK and reacts to the guest's markers. $1 = queues.
 boot_guest() {
-    local nq=$1 console=$out/console-q$nq.log qlog=$out/qemu-q$nq.log
+    local nq=$1
+    local console=$out/console-q$nq.log qlog=$out/qemu-q$nq.log
     local fifo=$E2E_RUN_DIR/console-in
     rm -f "$fifo"
     mkfifo -m 600 "$fifo"

@@ -27,7 +27,7 @@
 # buffer). 2 MiB hugepage buffers at 2 MiB-aligned addresses (katablk_bdev::shm) avoid that;
 # katablk-csi's own client (formatting) uses them too.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 repo=$PWD
 
 if [ -z "${SPDK_VHOST:-}" ]; then
@@ -129,8 +129,8 @@ js() { python3 -c "import json,sys; r=json.load(sys.stdin); print($1)"; }
 ctl() { timeout 60 "$ctl_bin" --endpoint "unix://$csi_sock" "$@"; }
 alive() { kill -0 "$vhost_pid" 2>/dev/null; }
 wait_sock() {
-    local i
-    for i in $(seq 200); do [ -S "$1" ] && return 0; sleep 0.1; done
+    local _
+    for _ in $(seq 200); do [ -S "$1" ] && return 0; sleep 0.1; done
     return 1
 }
 

@@ -4,7 +4,7 @@
 //! token for each object or array carries the number of tokens inside it, object members are a
 //! `NAME` token followed by the value's tokens, and numbers are kept as their source text. This
 //! module rebuilds a [`serde_json::Value`] from such a token list; the FFI side
-//! ([`crate::rpc`]) only copies the tokens out of SPDK's array.
+//! (`crate::rpc`) only copies the tokens out of SPDK's array.
 
 use serde_json::{Map, Number, Value};
 use thiserror::Error;

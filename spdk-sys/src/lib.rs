@@ -5,14 +5,14 @@
 //! through `SPDK_DIR` (a build tree or install prefix) or pkg-config (`spdk_bdev`,
 //! `spdk_vhost`, `spdk_env_dpdk`, ...), runs bindgen over `wrapper.h` with an `^spdk_.*`
 //! allowlist into `OUT_DIR`, and links the SPDK and DPDK libraries (whole-archive, so their
-//! module constructors are kept); the raw bindings are then in [`ffi`].
+//! module constructors are kept); the raw bindings are then in `ffi`.
 //!
-//! The safe layer (with the feature): [`app`] starts and stops the SPDK application framework
+//! The safe layer (with the feature; its modules are documented in a `--features spdk` build): `app` starts and stops the SPDK application framework
 //! (environment, reactors, subsystems, JSON config, JSON-RPC server) on its own OS thread;
-//! [`thread`] sends messages to SPDK threads and registers pollers; [`bdev`] opens SPDK bdevs
-//! as katablk [`katablk_bdev::BlockDevice`]s (one SPDK thread and io_channel per katablk
-//! channel, guest iovecs passed straight to the bdev); [`dma`] allocates DMA-able buffers;
-//! [`mem`] registers guest memory with SPDK's memory map; [`rpc`] registers JSON-RPC methods
+//! `thread` sends messages to SPDK threads and registers pollers; `bdev` opens SPDK bdevs
+//! as katablk `katablk_bdev::BlockDevice`s (one SPDK thread and io_channel per katablk
+//! channel, guest iovecs passed straight to the bdev); `dma` allocates DMA-able buffers;
+//! [`mem`] registers guest memory with SPDK's memory map; `rpc` registers JSON-RPC methods
 //! implemented in Rust.
 //!
 //! The pure-Rust parts — environment options and their validation, core masks, locating SPDK,

@@ -4,7 +4,7 @@
 //!   Hypervisor, libblkio) one after another.
 //! - [`backend::BlkBackend`] handles the vhost-user messages: features, memory table (and
 //!   memory-slot hot-add/removal), virtqueue setup, config space, inflight tracking.
-//! - [`queue`] runs one worker thread per queue (or per configured group of queues) with
+//! - `queue` runs one worker thread per queue (or per configured group of queues) with
 //!   adaptive polling, moving data between guest memory and the device with no copy.
 //! - [`chain`] and [`request`] walk and parse descriptor chains strictly.
 //! - [`fdcheck`] refuses memory files that do not cover what the frontend asks to map, and

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced by guest-e2e.sh, which reads the DISK_* variables
 # Helpers shared by the disk providers of guest-e2e.sh (sourced before the provider).
 
 # provider_wait_sock SOCK PID LOG [TRIES]: waits (TRIES x 50 ms, default 100) for the unix socket

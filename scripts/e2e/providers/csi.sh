@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced by guest-e2e.sh, which reads the DISK_* variables
 # Disk provider for guest-e2e.sh: the node stack. katablk-target serves an lvstore on a sparse
 # pool file (declared to katablk-csi with --node-config, so the driver creates the aio bdev and
 # the lvstore over SPDK JSON-RPC); the volume is provisioned and published through CSI gRPC with
@@ -159,7 +160,7 @@ provider_stop() {
 provider_shutdown() {
     provider_term "${CSI_PID:-}"
     provider_term "${CSI_TARGET_PID:-}"
-    CSI_PID= CSI_TARGET_PID=
+    CSI_PID='' CSI_TARGET_PID=
     # Bind mounts left by a failed run would keep the scratch directory busy.
     local m
     for m in $(awk -v d="$E2E_RUN_DIR/" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r); do

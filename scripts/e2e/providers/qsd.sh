@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced by guest-e2e.sh, which reads the DISK_* variables
 # Disk provider for guest-e2e.sh: qemu-storage-daemon serving a sparse file, the peer that
 # katablk's guest fio numbers are compared with (scripts/e2e/guest-fio-compare.sh). It is a
 # reference, not a subject: it is not restarted under the guest (qsd has no INFLIGHT_SHMFD, so a

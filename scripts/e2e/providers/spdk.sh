@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced by guest-e2e.sh, which reads the DISK_* variables
 # Disk provider for guest-e2e.sh: an SPDK JSON-RPC vhost target started with SPDK vhost's command
 # line (-S, -r, -m, -s): katablk-spdk (SPDK's bdev layer with katablk's vhost-user-blk data plane,
 # built with `--features spdk`) or SPDK's own vhost app. The disk is an SPDK AIO bdev on a sparse

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced by guest-e2e.sh, which reads the DISK_* variables
 # Disk provider for guest-e2e.sh: a standalone katablk-vhost serving a sparse file.
 #
 # Every provider (scripts/e2e/providers/<name>.sh, chosen with KATABLK_E2E_PROVIDER) defines:
