@@ -2,7 +2,8 @@
 //! vhost target or katablk-target) and publishes them to Kata Containers pods as
 //! vhost-user-blk devices.
 //!
-//! - [`identity`], [`controller`], [`node`]: the three CSI services (gRPC glue + logic).
+//! - [`identity`], [`controller`], [`node`]: the three CSI services (gRPC glue + logic);
+//!   [`class`]: StorageClass parameters and supported capabilities.
 //! - [`kata`]: the vhost-user store layout and direct-assigned volume `mountInfo.json`.
 //! - [`mounts`], [`format`](mod@format): bind mounts; formatting through the controller socket.
 //! - [`safe_path`]: target paths walked below the kubelet directory without following links.
@@ -13,6 +14,7 @@
 
 #![deny(missing_docs)]
 
+pub mod class;
 pub mod controller;
 pub mod driver;
 pub mod error;

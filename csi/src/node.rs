@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use katablk_rpc::methods::{BdevInfo, VhostCreateBlkControllerParams};
 use tonic::{Request, Response, Status};
 
-use crate::controller::{params, unsupported_capability};
+use crate::class::{params, unsupported_capability};
 use crate::csi::{self, node_service_capability as nsc, volume_capability as vc};
 use crate::driver::{bdev_size, Driver};
 use crate::error::{CsiError, Result};
