@@ -14,6 +14,7 @@
 mod error;
 mod eventfd;
 pub mod file;
+mod file_io;
 mod inline;
 pub mod malloc;
 pub mod null;

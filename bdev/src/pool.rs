@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::eventfd::EventFd;
-use crate::file::FileInner;
+use crate::file_io::FileInner;
 use crate::inline::validate;
 use crate::{iovec, BdevError, Completion, IoChannel, IoOp, IoRequest, SubmitError};
 

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use crate::eventfd::EventFd;
-use crate::file::{zero_iovecs, FileInner};
+use crate::file_io::{zero_iovecs, FileInner};
 use crate::inline::validate;
 use crate::{iovec, BdevError, Completion, IoChannel, IoError, IoOp, IoRequest, SubmitError};
 
