@@ -18,6 +18,7 @@ mod file_io;
 mod inline;
 pub mod malloc;
 pub mod null;
+pub mod qos;
 mod pool;
 pub mod shm;
 pub mod sync;

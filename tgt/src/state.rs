@@ -781,6 +781,7 @@ impl Target {
             writeback: true,
             cpus: cpumask.cpus().to_vec(),
             runtime: None,
+            qos: None,
         };
         let server = VhostBlkServer::bind(&socket, dev, opts, Some(self.settings.socket_mode))
             .map_err(|e| einval(e.to_string()))?;

@@ -47,6 +47,9 @@ pub struct BlkOptions {
     /// idle); or an external [`WorkerRuntime`] that calls each worker's step function (e.g. an
     /// SPDK poller on a reactor, next to the bdev's own pollers).
     pub runtime: Option<RuntimeHandle>,
+    /// The rate limits the queues obey ([`katablk_bdev::qos`]): share one limiter between the
+    /// controllers of one bdev. `None`: a limiter of this device's own, with no limits.
+    pub qos: Option<std::sync::Arc<katablk_bdev::qos::Limiter>>,
 }
 
 /// One iteration of a queue worker: true while the worker lives, false once it has exited (the
@@ -94,6 +97,7 @@ impl Default for BlkOptions {
             writeback: true,
             cpus: Vec::new(),
             runtime: None,
+            qos: None,
         }
     }
 }

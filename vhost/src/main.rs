@@ -71,6 +71,18 @@ struct Args {
     /// Permission bits of the socket, octal (e.g. 660).
     #[arg(long, value_parser = parse_octal)]
     socket_mode: Option<u32>,
+    /// Rate limit: I/Os per second of any kind (0: unlimited), as SPDK's `rw_ios_per_sec`.
+    #[arg(long, default_value_t = 0)]
+    qos_rw_ios_per_sec: u64,
+    /// Rate limit: MiB per second read and written (0: unlimited).
+    #[arg(long, default_value_t = 0)]
+    qos_rw_mbytes_per_sec: u64,
+    /// Rate limit: MiB per second read (0: unlimited).
+    #[arg(long, default_value_t = 0)]
+    qos_r_mbytes_per_sec: u64,
+    /// Rate limit: MiB per second written (0: unlimited).
+    #[arg(long, default_value_t = 0)]
+    qos_w_mbytes_per_sec: u64,
 }
 
 fn parse_mask(s: &str) -> Result<u64, String> {
@@ -131,6 +143,24 @@ fn main() -> Result<()> {
         writeback: !args.writethrough,
         cpus: args.cpus.clone(),
         runtime: None,
+        qos: None,
+    };
+    let limits = katablk_bdev::qos::QosLimits {
+        rw_ios_per_sec: args.qos_rw_ios_per_sec,
+        rw_bytes_per_sec: args.qos_rw_mbytes_per_sec.saturating_mul(1 << 20),
+        r_bytes_per_sec: args.qos_r_mbytes_per_sec.saturating_mul(1 << 20),
+        w_bytes_per_sec: args.qos_w_mbytes_per_sec.saturating_mul(1 << 20),
+    };
+    let opts = if limits.is_unlimited() {
+        opts
+    } else {
+        let l = katablk_bdev::qos::Limiter::new();
+        l.set_limits(limits);
+        tracing::info!(?limits, "rate limits set");
+        BlkOptions {
+            qos: Some(l),
+            ..opts
+        }
     };
     let server = VhostBlkServer::bind(&args.socket, dev, opts, args.socket_mode)
         .context("cannot start the server")?;

@@ -13,12 +13,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use katablk_bdev::qos::{Dir, Limiter};
 use katablk_bdev::{iovec, BlockDevice, Completion, IoChannel, IoOp, IoRequest, SubmitError};
 use tracing::{debug, error, warn};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::timerfd::TimerFd;
 
 use crate::chain::{self, Seg};
 use crate::config::SECTOR_SIZE;
@@ -39,6 +41,9 @@ pub(crate) struct DeviceShared {
     /// Set by the SIGBUS handler when the frontend's memory faulted: its queues are not served
     /// any more and the server drops it.
     pub poison: Arc<Poison>,
+    /// The device's rate limits (shared with every controller of the same bdev); inactive
+    /// unless a limit is set.
+    pub qos: Arc<Limiter>,
 }
 
 /// A started virtqueue, handed to a worker.
@@ -96,6 +101,19 @@ impl WorkerHandle {
                 EpollEvent::new(EventSet::IN, WAKE_TOKEN),
             )
             .map_err(|e| Error::Sys("epoll_ctl", e))?;
+        let timer = TimerFd::new().map_err(|e| {
+            Error::Sys(
+                "timerfd_create",
+                std::io::Error::from_raw_os_error(e.errno()),
+            )
+        })?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                timer.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TIMER_TOKEN),
+            )
+            .map_err(|e| Error::Sys("epoll_ctl", e))?;
         let mut worker = Worker {
             epoll,
             wake: wake.try_clone().map_err(|e| Error::Sys("eventfd", e))?,
@@ -107,6 +125,7 @@ impl WorkerHandle {
             done: Vec::with_capacity(256),
             external: runtime.is_some(),
             exiting: false,
+            timer,
         };
         if let Some(rt) = runtime {
             let join = rt.0.spawn(
@@ -185,6 +204,8 @@ fn pin_to_cpu(cpu: usize) {
 }
 
 const WAKE_TOKEN: u64 = u64::MAX;
+/// The worker's QoS retry timer (armed only while a request waits for its budget).
+const TIMER_TOKEN: u64 = u64::MAX - 1;
 
 /// Per-request state, preallocated per queue entry.
 struct Slot {
@@ -216,6 +237,13 @@ struct Active {
     stopping: Option<mpsc::Sender<Option<Box<VringCtx>>>>,
     broken: bool,
     has_notify: bool,
+    /// Parsed requests waiting for the QoS budget, in ring order; while any waits, no new
+    /// request is taken (the rest wait in the guest's ring).
+    throttled: VecDeque<u16>,
+    /// When the first of them was refused (for the throttled-time counter).
+    throttled_since: Option<Instant>,
+    /// When the first of them may be admitted.
+    retry_at: Option<Instant>,
 }
 
 struct Worker {
@@ -231,6 +259,8 @@ struct Worker {
     external: bool,
     /// Exit was requested (external mode): finish once every queue has drained.
     exiting: bool,
+    /// Wakes the worker when a request held back by QoS may go.
+    timer: TimerFd,
 }
 
 impl Worker {
@@ -327,6 +357,24 @@ impl Worker {
             if more {
                 continue;
             }
+            // A request waits for its QoS budget: sleep until it may go (or something else
+            // happens). Armed only then, so an idle or unlimited device has no timer.
+            if let Some(at) = self
+                .queues
+                .iter()
+                .filter(|q| !q.broken)
+                .filter_map(|q| q.retry_at)
+                .min()
+            {
+                let now = Instant::now();
+                if at <= now {
+                    continue;
+                }
+                if let Err(e) = self.timer.reset(at - now, None) {
+                    error!("timerfd: {e}");
+                    continue;
+                }
+            }
             drop(mem);
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
@@ -340,6 +388,11 @@ impl Worker {
                 let t = ev.data();
                 if t == WAKE_TOKEN {
                     let _ = self.wake.read();
+                    continue;
+                }
+                if t == TIMER_TOKEN {
+                    // Readable: the read does not block.
+                    let _ = self.timer.wait();
                     continue;
                 }
                 let index = (t / 2) as u16;
@@ -451,6 +504,9 @@ impl Worker {
             stopping: None,
             broken: false,
             has_notify: notify.is_some(),
+            throttled: VecDeque::new(),
+            throttled_since: None,
+            retry_at: None,
         });
         // Requests may have been queued before the kick was registered.
         let _ = self.wake.write(1);
@@ -509,9 +565,13 @@ impl Worker {
     /// Reaps completions and takes new requests of queue `i`; true if anything happened.
     fn service(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
         let mut progress = self.reap(i, mem);
+        if !self.queues[i].broken && !self.queues[i].throttled.is_empty() {
+            progress |= self.release_throttled(i, mem);
+        }
         if !self.queues[i].broken
             && !self.exiting
             && self.queues[i].stopping.is_none()
+            && self.queues[i].throttled.is_empty()
             && self.take(i, mem)
         {
             progress = true;
@@ -523,6 +583,44 @@ impl Worker {
             self.notify(i, mem);
         }
         progress
+    }
+
+    /// Dispatches the requests of queue `i` held back by QoS, in order, as far as the budget
+    /// allows; all of them when the queue is stopping, the worker exiting, or the limits were
+    /// lifted. True if any went.
+    fn release_throttled(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
+        let shared = self.shared.clone();
+        let bypass = self.exiting || self.queues[i].stopping.is_some() || !shared.qos.is_active();
+        let mut released = false;
+        let mut info: Option<katablk_bdev::DeviceInfo> = None;
+        while let Some(&slot_idx) = self.queues[i].throttled.front() {
+            let q = &mut self.queues[i];
+            if !bypass {
+                let dir = q.slots[usize::from(slot_idx)]
+                    .req
+                    .map_or(Dir::Other, |r| qos_dir(&r));
+                if let Err(wait) = shared.qos.admit(dir) {
+                    let now = Instant::now();
+                    q.throttled_since.get_or_insert(now);
+                    q.retry_at = Some(now + wait);
+                    break;
+                }
+            }
+            q.throttled.pop_front();
+            q.retry_at = None;
+            if let Some(t) = q.throttled_since.take() {
+                shared.qos.record_wait(t.elapsed());
+            }
+            let info = info.get_or_insert_with(|| shared.dev.info()).clone();
+            self.dispatch(i, slot_idx, mem, &info);
+            released = true;
+        }
+        if released {
+            if let Err(e) = self.queues[i].chan.commit() {
+                error!(queue = self.queues[i].ctx.index, "commit: {e}");
+            }
+        }
+        released
     }
 
     fn notify(&mut self, i: usize, mem: &Arc<GuestMem>) {
@@ -564,7 +662,9 @@ impl Worker {
                 match q.ctx.queue.pop_descriptor_chain(&**mem) {
                     Some(c) => {
                         let h = c.head_index();
-                        q.ctx.counter += 1;
+                        // The counter resumes from the inflight region, which the frontend
+                        // writes: it may be anything, up to u64::MAX.
+                        q.ctx.counter = q.ctx.counter.wrapping_add(1);
                         if let Some(inf) = &q.ctx.inflight {
                             inf.begin(h, q.ctx.counter);
                         }
@@ -608,6 +708,15 @@ impl Worker {
             ) {
                 Ok(req) => {
                     slot.req = Some(req);
+                    if shared.qos.is_active() {
+                        // Admitted in ring order: the first that must wait holds the rest.
+                        q.throttled.push_back(slot_idx);
+                        self.release_throttled(i, mem);
+                        if !self.queues[i].throttled.is_empty() {
+                            break;
+                        }
+                        continue;
+                    }
                     let info = info.get_or_insert_with(|| shared.dev.info());
                     self.dispatch(i, slot_idx, mem, info);
                 }
@@ -852,6 +961,16 @@ impl Worker {
 }
 
 /// Submits one request, mapping refusals to a virtio status; Ok(true) when queued.
+/// What a request costs in the QoS budget: its data bytes for reads and writes, one I/O for
+/// everything.
+fn qos_dir(r: &Request) -> Dir {
+    match r.kind {
+        Kind::In => Dir::Read(r.data_len),
+        Kind::Out => Dir::Write(r.data_len),
+        _ => Dir::Other,
+    }
+}
+
 fn submit(chan: &mut dyn IoChannel, r: &IoRequest<'_>) -> Result<bool, Status> {
     // SAFETY: callers pass buffers that stay valid until the completion is reaped (see
     // `Worker::dispatch`); requests without buffers carry no pointers.
@@ -891,6 +1010,7 @@ mod tests {
             seg_max: 62,
             stats: Default::default(),
             poison: Poison::new().unwrap(),
+            qos: Limiter::new(),
         });
         Worker {
             epoll: Epoll::new().unwrap(),
@@ -903,6 +1023,7 @@ mod tests {
             done: Vec::new(),
             external: false,
             exiting: false,
+            timer: TimerFd::new().unwrap(),
         }
     }
 

@@ -250,6 +250,7 @@ impl VhostBlkServer {
             serial: opts.serial.clone(),
             stats: Default::default(),
             poison: Poison::new()?,
+            qos: opts.qos.clone().unwrap_or_default(),
             dev,
         });
         let backend = Arc::new(Mutex::new(BlkBackend::new(shared.clone(), opts)?));
