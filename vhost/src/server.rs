@@ -40,7 +40,12 @@ pub struct VhostBlkServer {
     stop: Arc<EventFd>,
     channel: BackendChannel,
     connected: Arc<AtomicBool>,
+    /// The connected frontend's socket while it is served (cleared before the socket closes).
+    conn: ConnFd,
 }
+
+/// The socket of the frontend being served, for [`ShutdownHandle::shutdown`].
+type ConnFd = Arc<Mutex<Option<std::os::fd::RawFd>>>;
 
 /// Tells the connected frontend that the config space changed (e.g. the capacity after a
 /// resize), so the guest re-reads it. Returns false if no frontend gave a backend channel.
@@ -120,13 +125,21 @@ fn peek_backend_channel(fd: i32) -> Option<UnixStream> {
 
 /// Stops a running server from another thread (or a signal handler thread).
 #[derive(Clone)]
-pub struct ShutdownHandle(Arc<EventFd>);
+pub struct ShutdownHandle(Arc<EventFd>, ConnFd);
 
 impl ShutdownHandle {
     /// Asks the server to finish: in-flight requests complete, the device is flushed, the socket
-    /// is removed.
+    /// is removed. The frontend's connection is shut down too, so a frontend that stopped in the
+    /// middle of a message (the server thread waiting for its rest) cannot hold the server.
     pub fn shutdown(&self) {
         let _ = self.0.write(1);
+        let conn = self.1.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(fd) = *conn {
+            // SAFETY: `fd` is the open socket of the connection being served: it is cleared
+            // under this lock before the socket is closed, so it names no other file.
+            // shutdown(2) only changes the socket's state.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        }
     }
 }
 
@@ -276,6 +289,7 @@ impl VhostBlkServer {
             stop,
             channel: Arc::new(Mutex::new(None)),
             connected: Arc::new(AtomicBool::new(false)),
+            conn: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -286,7 +300,7 @@ impl VhostBlkServer {
 
     /// A handle to stop [`VhostBlkServer::run`].
     pub fn shutdown_handle(&self) -> ShutdownHandle {
-        ShutdownHandle(self.stop.clone())
+        ShutdownHandle(self.stop.clone(), self.conn.clone())
     }
 
     /// I/O counters.
@@ -383,6 +397,19 @@ impl VhostBlkServer {
     fn serve_connection(&self, stream: UnixStream) -> bool {
         let mut handler = BackendReqHandler::from_stream(stream, self.backend.clone());
         let cfd = handler.as_raw_fd();
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(cfd);
+        let stopped = self.serve_messages(&mut handler, cfd);
+        // Cleared before `handler`, and with it the socket, is dropped.
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        drop(handler);
+        stopped
+    }
+
+    fn serve_messages(
+        &self,
+        handler: &mut BackendReqHandler<Mutex<BlkBackend>>,
+        cfd: std::os::fd::RawFd,
+    ) -> bool {
         let sfd = self.stop.as_raw_fd();
         let pfd = self.shared.poison.wake_fd();
         loop {

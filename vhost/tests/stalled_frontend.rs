@@ -1,0 +1,51 @@
+//! A frontend that stops in the middle of a message (half a header, or a header announcing a
+//! payload it never sends) must not keep the server from shutting down: SIGTERM ends
+//! `katablk-vhost` promptly, with a clean exit, while that frontend is still connected.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+use common::{temp_image, Server};
+
+fn sigterm_exits_promptly(stall: &[u8]) {
+    let dir = tempfile::tempdir().unwrap();
+    let img = temp_image(dir.path(), 16 << 20);
+    let sock = dir.path().join("s.sock");
+    let mut srv = Server::start(&sock, &["--file", img.to_str().unwrap()]);
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.write_all(stall).unwrap();
+    // Let the server start reading the message.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut child = srv.child.take().unwrap();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("katablk-vhost ignored SIGTERM with a stalled frontend connected");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    drop(s);
+}
+
+#[test]
+fn half_a_header_does_not_block_shutdown() {
+    // GET_FEATURES (1), flags: version 1 — then nothing.
+    sigterm_exits_promptly(&[1, 0, 0, 0, 1, 0]);
+}
+
+#[test]
+fn a_missing_payload_does_not_block_shutdown() {
+    // SET_FEATURES (2), version 1, 8 payload bytes announced, 3 sent.
+    sigterm_exits_promptly(&[2, 0, 0, 0, 1, 0, 0, 0, 8, 0, 0, 0, 1, 2, 3]);
+}
