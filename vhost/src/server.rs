@@ -69,10 +69,30 @@ fn notify_config_change(channel: &BackendChannel) -> bool {
     }
 }
 
-/// Peeks at the next message on `fd` and, if it is `SET_BACKEND_REQ_FD`, keeps a duplicate of
-/// the channel descriptor it carries (the `vhost` crate keeps its own, but offers no way to send
-/// `CONFIG_CHANGE_MSG` on it). Descriptors peeked with other messages are closed at once.
-fn peek_backend_channel(fd: i32) -> Option<UnixStream> {
+/// Requests whose sender always waits for a reply (the `vhost` crate sends none when the
+/// handler refuses them): GET_FEATURES, GET_VRING_BASE, GET_PROTOCOL_FEATURES, GET_QUEUE_NUM,
+/// GET_CONFIG, GET_INFLIGHT_FD, GET_MAX_MEM_SLOTS, SET_DEVICE_STATE_FD, CHECK_DEVICE_STATE.
+const REPLY_EXPECTED: [u32; 9] = [1, 11, 15, 17, 24, 31, 36, 42, 43];
+
+/// What a peek at the next message found.
+struct Peeked {
+    /// Its request code (if a whole header was there).
+    code: Option<u32>,
+    /// The backend channel of a `SET_BACKEND_REQ_FD`.
+    channel: Option<UnixStream>,
+}
+
+/// Peeks at the next message on `fd`: its request code, and, if it is `SET_BACKEND_REQ_FD`, a
+/// duplicate of the channel descriptor it carries (the `vhost` crate keeps its own, but offers
+/// no way to send `CONFIG_CHANGE_MSG` on it). Descriptors peeked with other messages are closed
+/// at once.
+fn peek_message(fd: i32) -> Peeked {
+    let mut code = None;
+    let channel = peek_backend_channel(fd, &mut code);
+    Peeked { code, channel }
+}
+
+fn peek_backend_channel(fd: i32, code_out: &mut Option<u32>) -> Option<UnixStream> {
     let mut hdr = [0u8; 12];
     let mut iov = libc::iovec {
         iov_base: hdr.as_mut_ptr().cast(),
@@ -109,6 +129,7 @@ fn peek_backend_channel(fd: i32) -> Option<UnixStream> {
         }
     }
     let code = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    *code_out = Some(code);
     let mut keep = None;
     for fd in fds {
         if code == SET_BACKEND_REQ_FD && keep.is_none() {
@@ -426,7 +447,8 @@ impl VhostBlkServer {
                     return false;
                 }
             }
-            if let Some(ch) = peek_backend_channel(cfd) {
+            let peeked = peek_message(cfd);
+            if let Some(ch) = peeked.channel {
                 debug!("frontend gave a backend channel");
                 if let Ok(mut c) = self.channel.lock() {
                     *c = Some(ch);
@@ -443,6 +465,13 @@ impl VhostBlkServer {
                     | VuError::InactiveOperation(_)
                     | VuError::FeatureMismatch),
                 ) => {
+                    if peeked.code.is_some_and(|c| REPLY_EXPECTED.contains(&c)) {
+                        // The frontend waits for a reply that will not come: tell it by
+                        // closing, rather than leave it hanging.
+                        warn!(request = ?peeked.code, "dropping frontend: refused a request \
+                            it waits for a reply to: {e}");
+                        return false;
+                    }
                     warn!("request refused: {e}");
                 }
                 Err(e) => {
