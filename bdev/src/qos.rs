@@ -209,7 +209,11 @@ impl Limiter {
     }
 
     fn update_active(&self) {
-        let groups = !self.groups.read().unwrap_or_else(|p| p.into_inner()).is_empty();
+        let groups = !self
+            .groups
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
         self.active.store(
             groups || self.own_limited.load(Ordering::Relaxed),
             Ordering::Relaxed,
@@ -256,7 +260,10 @@ impl Limiter {
 
     /// The groups this limiter belongs to.
     pub fn groups(&self) -> Vec<Arc<Limiter>> {
-        self.groups.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.groups
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// May a request of `dir` start now? `Ok` charges it to this limiter and its groups;
