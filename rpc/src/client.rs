@@ -18,6 +18,12 @@
 //!   run, and the caller decides (the CSI driver re-issues it and treats
 //!   [`RpcError::is_exists`] / [`RpcError::is_not_found`] as success).
 //! - Timeouts are never retried.
+//!
+//! ## Idle connections
+//! A server may close connections that stay idle (katablk-target does after 10 minutes). So
+//! that a call never races such a close, a connection unused for
+//! [`RpcClientBuilder::idle_reconnect`] (default one minute) is closed by the client and a new
+//! one is opened for the next call.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -48,6 +54,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default connect timeout.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Default [`RpcClientBuilder::idle_reconnect`]: a minute, well below katablk-target's
+/// 10-minute server-side idle timeout.
+pub const DEFAULT_IDLE_RECONNECT: Duration = Duration::from_secs(60);
+
 /// Builder for [`RpcClient`].
 #[derive(Debug, Clone)]
 pub struct RpcClientBuilder {
@@ -55,6 +65,7 @@ pub struct RpcClientBuilder {
     timeout: Duration,
     connect_timeout: Duration,
     max_message_size: usize,
+    idle_reconnect: Duration,
 }
 
 impl RpcClientBuilder {
@@ -76,6 +87,13 @@ impl RpcClientBuilder {
         self
     }
 
+    /// Open a new connection for a call when the current one has been unused this long
+    /// (so that the server's idle timeout never closes it under a call).
+    pub fn idle_reconnect(mut self, idle: Duration) -> Self {
+        self.idle_reconnect = idle;
+        self
+    }
+
     /// Build the client; it connects on first use.
     pub fn build(self) -> RpcClient {
         RpcClient {
@@ -84,6 +102,7 @@ impl RpcClientBuilder {
                 timeout: self.timeout,
                 connect_timeout: self.connect_timeout,
                 max_message_size: self.max_message_size,
+                idle_reconnect: self.idle_reconnect,
                 next_id: AtomicU64::new(1),
                 conn: tokio::sync::Mutex::new(None),
             }),
@@ -103,6 +122,7 @@ struct Inner {
     timeout: Duration,
     connect_timeout: Duration,
     max_message_size: usize,
+    idle_reconnect: Duration,
     next_id: AtomicU64,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
 }
@@ -115,6 +135,8 @@ struct Shared {
     pending: HashMap<u64, ReplyTx>,
     /// Why the connection is dead, once it is.
     closed: Option<String>,
+    /// When a call was last sent or a reply last received.
+    last_used: Option<Instant>,
 }
 
 struct WriteReq {
@@ -170,6 +192,12 @@ fn close_shared(shared: &Mutex<Shared>, reason: String) {
 impl Conn {
     fn is_closed(&self) -> bool {
         lock(&self.shared).closed.is_some()
+    }
+
+    /// True if nothing is in flight and nothing was sent or received for `idle`.
+    fn is_idle(&self, idle: Duration) -> bool {
+        let s = lock(&self.shared);
+        s.pending.is_empty() && s.last_used.is_some_and(|t| t.elapsed() >= idle)
     }
 
     fn open(stream: UnixStream, max_message_size: usize) -> Self {
@@ -250,7 +278,11 @@ async fn read_replies(
             };
             match id {
                 Some(id) => {
-                    let tx = lock(&shared).pending.remove(&id);
+                    let tx = {
+                        let mut s = lock(&shared);
+                        s.last_used = Some(Instant::now());
+                        s.pending.remove(&id)
+                    };
                     match tx {
                         Some(tx) => {
                             let _ = tx.send(Ok(resp));
@@ -317,6 +349,7 @@ impl RpcClient {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            idle_reconnect: DEFAULT_IDLE_RECONNECT,
         }
     }
 
@@ -349,7 +382,10 @@ impl RpcClient {
     async fn connection(&self, deadline: Instant) -> Result<Arc<Conn>, RpcError> {
         let mut slot = self.inner.conn.lock().await;
         if let Some(c) = slot.as_ref() {
-            if !c.is_closed() {
+            if c.is_idle(self.inner.idle_reconnect) {
+                debug!("RPC client connection idle; opening a new one");
+                close_shared(&c.shared, "idle connection replaced".to_owned());
+            } else if !c.is_closed() {
                 return Ok(Arc::clone(c));
             }
         }
@@ -408,6 +444,7 @@ impl RpcClient {
                 return Err(Attempt::NotSent(RpcError::Disconnected(reason.clone())));
             }
             s.pending.insert(id, reply_tx);
+            s.last_used = Some(Instant::now());
         }
         // Unregisters on every exit, including the caller dropping this future.
         let _pending = PendingGuard {
@@ -661,6 +698,12 @@ impl RpcClient {
             Err(RpcError::Disconnected(_)) => Ok(true),
             r => r,
         }
+    }
+
+    /// `katablk_get_unrestored` (katablk-target only): saved configuration entries the
+    /// target could not restore yet.
+    pub async fn katablk_get_unrestored(&self) -> Result<Vec<UnrestoredEntry>, RpcError> {
+        self.call_method::<KatablkGetUnrestored>(&NoParams {}).await
     }
 
     // ---- bdev ------------------------------------------------------------------------

@@ -17,6 +17,22 @@
 //!   after a syntax error. (SPDK itself closes without a reply.) A message over the size limit
 //!   gets `-32600` and is closed the same way; so does a request cut short by end of stream;
 //! - a panicking handler yields `-32603` for that request; the server keeps running.
+//!
+//! Limits, so that no client can exhaust the daemon's memory, threads or file descriptors
+//! (each in [`ServerConfig`]):
+//! - at most [`ServerConfig::max_in_flight`] requests *and notifications* run or wait to be
+//!   written per connection; past that the server stops reading from the connection, so a
+//!   flood of notifications is back-pressured like pipelined calls and spawns no more tasks;
+//! - at most [`ServerConfig::max_connections`] connections: further ones get one `-32603`
+//!   error reply (id `null`) and are closed, with a rate-limited warning in the log;
+//! - a connection that sends nothing for [`ServerConfig::idle_timeout`] while none of its
+//!   requests is in flight is closed (default 10 minutes; [`crate::RpcClient`] reconnects by
+//!   itself and, idle for a minute, opens a fresh connection before its next call);
+//! - the bytes buffered for partial messages, across all connections, stay within
+//!   [`ServerConfig::max_buffered_total`] (the first [`ServerConfig::unbudgeted_per_connection`]
+//!   bytes of each connection are not counted, so small calls never fail); a connection whose
+//!   next read would exceed it gets a `-12` (ENOMEM) error reply and is closed. The
+//!   per-message limit [`ServerConfig::max_message_size`] still applies.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -24,13 +40,14 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, warn};
 
@@ -43,9 +60,23 @@ use crate::wire::{
 /// Longest unix socket path: `sun_path` is 108 bytes including the terminating NUL.
 pub const MAX_SOCKET_PATH_LEN: usize = 107;
 
-/// Replies that may be queued (computing or waiting to be written) per connection before the
-/// server stops reading from it.
-const MAX_IN_FLIGHT: usize = 256;
+/// Default [`ServerConfig::max_in_flight`].
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+
+/// Default [`ServerConfig::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+
+/// Default [`ServerConfig::idle_timeout`]: 10 minutes.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Default [`ServerConfig::max_buffered_total`]: 128 MiB, twice the default message limit.
+pub const DEFAULT_MAX_BUFFERED_TOTAL: usize = 128 * 1024 * 1024;
+
+/// Default [`ServerConfig::unbudgeted_per_connection`]: 256 KiB.
+pub const DEFAULT_UNBUDGETED_PER_CONNECTION: usize = 256 * 1024;
+
+/// How often at most the "refusing connection" warning is logged.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Serves JSON-RPC calls. Implementations must be cheap to share: the server holds an
 /// `Arc<Self>` and calls it from many tasks at once.
@@ -207,6 +238,19 @@ pub struct ServerConfig {
     pub max_message_size: usize,
     /// How long graceful shutdown waits for in-flight requests before dropping connections.
     pub shutdown_grace: Duration,
+    /// Requests and notifications that may run or wait to be written per connection before
+    /// the server stops reading from it (default 256).
+    pub max_in_flight: usize,
+    /// Connections served at once; more are refused (default 128).
+    pub max_connections: usize,
+    /// Close a connection that sent nothing for this long and has nothing in flight
+    /// (default 10 minutes; `None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// Bytes of partial messages buffered across all connections (default 128 MiB).
+    pub max_buffered_total: usize,
+    /// Buffered bytes per connection not counted against
+    /// [`max_buffered_total`](Self::max_buffered_total) (default 256 KiB).
+    pub unbudgeted_per_connection: usize,
 }
 
 impl ServerConfig {
@@ -218,6 +262,11 @@ impl ServerConfig {
             gid: None,
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             shutdown_grace: Duration::from_secs(5),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+            max_buffered_total: DEFAULT_MAX_BUFFERED_TOTAL,
+            unbudgeted_per_connection: DEFAULT_UNBUDGETED_PER_CONNECTION,
         }
     }
 
@@ -261,6 +310,122 @@ impl ServerConfig {
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
         self
+    }
+
+    /// Set the per-connection in-flight limit (at least 1).
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n.max(1);
+        self
+    }
+
+    /// Set the connection limit (at least 1).
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// Set the idle timeout (`None`: connections never time out).
+    pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Set the budget for partial messages across connections, and how many bytes of each
+    /// connection are not counted against it.
+    pub fn max_buffered(mut self, total: usize, unbudgeted_per_connection: usize) -> Self {
+        self.max_buffered_total = total;
+        self.unbudgeted_per_connection = unbudgeted_per_connection;
+        self
+    }
+}
+
+/// The memory budget for buffered partial messages, shared by every connection.
+#[derive(Debug)]
+struct Budget {
+    used: AtomicUsize,
+    limit: usize,
+}
+
+/// What one connection has taken from the [`Budget`]; given back on drop.
+struct Charge {
+    budget: Arc<Budget>,
+    charged: usize,
+}
+
+impl Charge {
+    /// Raise the charge to `want` if the budget allows it; lowering always succeeds.
+    fn try_set(&mut self, want: usize) -> bool {
+        if want <= self.charged {
+            self.set(want);
+            return true;
+        }
+        let extra = want - self.charged;
+        let ok = self
+            .budget
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(extra).filter(|t| *t <= self.budget.limit)
+            })
+            .is_ok();
+        if ok {
+            self.charged = want;
+        }
+        ok
+    }
+
+    /// Set the charge to what is really allocated, even past the limit (only by the rounding
+    /// of an allocation that was checked beforehand).
+    fn set(&mut self, actual: usize) {
+        if actual >= self.charged {
+            self.budget
+                .used
+                .fetch_add(actual - self.charged, Ordering::AcqRel);
+        } else {
+            self.budget
+                .used
+                .fetch_sub(self.charged - actual, Ordering::AcqRel);
+        }
+        self.charged = actual;
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
+/// Counts refused connections and logs them at most every [`REFUSAL_LOG_INTERVAL`].
+#[derive(Default)]
+struct Refusals {
+    unreported: u64,
+    last_log: Option<Instant>,
+}
+
+impl Refusals {
+    fn refuse(&mut self, stream: UnixStream, open: usize, limit: usize) {
+        self.unreported += 1;
+        let due = self
+            .last_log
+            .is_none_or(|t| t.elapsed() >= REFUSAL_LOG_INTERVAL);
+        if due {
+            warn!(
+                open,
+                limit,
+                refused = self.unreported,
+                "refusing RPC connection: too many connections"
+            );
+            self.unreported = 0;
+            self.last_log = Some(Instant::now());
+        }
+        let reply = Response::error(
+            Id::Null,
+            SpdkError::internal(format!(
+                "Internal error: too many RPC connections (limit {limit}); try again later"
+            )),
+        );
+        // Best effort, never waiting: a fresh socket's send buffer takes one short reply.
+        let _ = stream.try_write(&reply.to_bytes());
     }
 }
 
@@ -386,12 +551,22 @@ impl RpcServer {
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut conns = JoinSet::new();
         let mut next_conn: u64 = 0;
+        let mut refusals = Refusals::default();
+        let budget = Arc::new(Budget {
+            used: AtomicUsize::new(0),
+            limit: config.max_buffered_total,
+        });
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
+                        while conns.try_join_next().is_some() {}
+                        if conns.len() >= config.max_connections {
+                            refusals.refuse(stream, conns.len(), config.max_connections);
+                            continue;
+                        }
                         next_conn += 1;
                         debug!(conn = next_conn, "RPC connection accepted");
                         let conn = Connection {
@@ -399,6 +574,11 @@ impl RpcServer {
                             handler: Arc::clone(&handler),
                             max_message_size: config.max_message_size,
                             stop: stop_rx.clone(),
+                            max_in_flight: config.max_in_flight,
+                            permits: Arc::new(Semaphore::new(config.max_in_flight)),
+                            idle_timeout: config.idle_timeout,
+                            unbudgeted: config.unbudgeted_per_connection,
+                            budget: Arc::clone(&budget),
                         };
                         conns.spawn(conn.run(stream));
                     }
@@ -435,8 +615,12 @@ impl RpcServer {
 enum Slot {
     /// Already encoded.
     Ready(Vec<u8>),
-    /// Being computed by a handler task.
-    Pending(Id, JoinHandle<Result<Value, SpdkError>>),
+    /// Being computed by a handler task; the permit is given back once the reply is written.
+    Pending(
+        Id,
+        JoinHandle<Result<Value, SpdkError>>,
+        OwnedSemaphorePermit,
+    ),
 }
 
 struct Connection<H> {
@@ -444,12 +628,26 @@ struct Connection<H> {
     handler: Arc<H>,
     max_message_size: usize,
     stop: watch::Receiver<bool>,
+    max_in_flight: usize,
+    /// One per request or notification running or waiting to be written.
+    permits: Arc<Semaphore>,
+    idle_timeout: Option<Duration>,
+    unbudgeted: usize,
+    budget: Arc<Budget>,
+}
+
+/// Why reading from a connection stopped.
+enum ReadEnd {
+    /// End of stream.
+    Eof,
+    /// Shutdown, a read error or an idle timeout: nothing more to do.
+    Stop,
 }
 
 impl<H: Handler> Connection<H> {
     async fn run(self, stream: UnixStream) {
         let (rd, wr) = stream.into_split();
-        let (tx, rx) = mpsc::channel::<Slot>(MAX_IN_FLIGHT);
+        let (tx, rx) = mpsc::channel::<Slot>(self.max_in_flight);
         // Reader and writer run in this one task, so aborting the connection (shutdown grace
         // expired) stops both. Handler tasks are detached: an operation that started runs to
         // completion even if its reply can no longer be sent.
@@ -457,40 +655,89 @@ impl<H: Handler> Connection<H> {
         debug!(conn = self.id, "RPC connection closed");
     }
 
+    fn in_flight(&self) -> usize {
+        self.max_in_flight - self.permits.available_permits()
+    }
+
+    /// One read, giving up after the idle timeout if nothing is in flight.
+    async fn read_some(
+        &self,
+        rd: &mut tokio::net::unix::OwnedReadHalf,
+        buf: &mut [u8],
+        partial: bool,
+    ) -> Result<usize, ReadEnd> {
+        loop {
+            let r = match self.idle_timeout {
+                Some(t) => match tokio::time::timeout(t, rd.read(buf)).await {
+                    Ok(r) => r,
+                    Err(_) if self.in_flight() > 0 => continue,
+                    Err(_) => {
+                        if partial {
+                            warn!(conn = self.id, idle = ?t, "closing RPC connection idle in the middle of a message");
+                        } else {
+                            debug!(conn = self.id, idle = ?t, "closing idle RPC connection");
+                        }
+                        return Err(ReadEnd::Stop);
+                    }
+                },
+                None => rd.read(buf).await,
+            };
+            return match r {
+                Ok(0) => Err(ReadEnd::Eof),
+                Ok(n) => Ok(n),
+                Err(e) => {
+                    debug!(conn = self.id, "RPC read failed: {e}");
+                    Err(ReadEnd::Stop)
+                }
+            };
+        }
+    }
+
     async fn read_requests(&self, mut rd: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Slot>) {
         let conn_id = self.id;
         let mut stop = self.stop.clone();
         let mut dec = StreamDecoder::new(self.max_message_size);
+        let mut charge = Charge {
+            budget: Arc::clone(&self.budget),
+            charged: 0,
+        };
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let n = tokio::select! {
+            let read = tokio::select! {
                 biased;
                 _ = stop.wait_for(|stop| *stop) => return,
-                r = rd.read(&mut buf) => match r {
-                    Ok(n) => n,
-                    Err(e) => {
-                        debug!(conn = conn_id, "RPC read failed: {e}");
-                        return;
-                    }
-                },
+                r = self.read_some(&mut rd, &mut buf, dec.has_partial()) => r,
             };
-            if n == 0 {
-                match dec.finish() {
-                    Ok(Some(v)) => {
-                        let _ = self.dispatch(v, &tx).await;
+            let n = match read {
+                Ok(n) => n,
+                Err(ReadEnd::Stop) => return,
+                Err(ReadEnd::Eof) => {
+                    match dec.finish() {
+                        Ok(Some(v)) => {
+                            // Only a top-level scalar can be left at end of stream: never a
+                            // request, so no id to take from the raw bytes.
+                            let _ = self.dispatch(v, &[], &tx).await;
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            let _ = tx.send(Slot::Ready(decode_error_reply(conn_id, &e))).await;
+                        }
                     }
-                    Ok(None) => {}
-                    Err(e) => {
-                        let _ = tx.send(Slot::Ready(decode_error_reply(conn_id, &e))).await;
-                    }
+                    return;
                 }
+            };
+            let want = dec.memory_after_feed(n).saturating_sub(self.unbudgeted);
+            if !charge.try_set(want) {
+                let _ = tx
+                    .send(Slot::Ready(budget_error_reply(conn_id, &self.budget)))
+                    .await;
                 return;
             }
             dec.feed(&buf[..n]);
             loop {
-                match dec.next_value() {
-                    Ok(Some(v)) => {
-                        if self.dispatch(v, &tx).await.is_err() {
+                match dec.next_message() {
+                    Ok(Some((v, frame))) => {
+                        if self.dispatch(v, frame, &tx).await.is_err() {
                             return; // writer gone: peer stopped reading
                         }
                     }
@@ -501,12 +748,15 @@ impl<H: Handler> Connection<H> {
                     }
                 }
             }
+            dec.release();
+            charge.set(dec.memory().saturating_sub(self.unbudgeted));
         }
     }
 
-    /// Queue the reply for one decoded value. Err if the writer is gone.
-    async fn dispatch(&self, v: Value, tx: &mpsc::Sender<Slot>) -> Result<(), ()> {
-        let req = match Request::from_value(v) {
+    /// Queue the reply for one decoded value (`frame`: its raw bytes). Err if the writer is
+    /// gone. Waits while the connection's in-flight limit is reached.
+    async fn dispatch(&self, v: Value, frame: &[u8], tx: &mpsc::Sender<Slot>) -> Result<(), ()> {
+        let req = match Request::from_message(v, frame) {
             Ok(r) => r,
             Err(bad) => {
                 let reply = Response::error(bad.id.unwrap_or(Id::Null), bad.error);
@@ -514,17 +764,27 @@ impl<H: Handler> Connection<H> {
             }
         };
         debug!(conn = self.id, method = %req.method, id = ?req.id, "RPC request");
+        let permit = Arc::clone(&self.permits)
+            .acquire_owned()
+            .await
+            .map_err(drop)?;
         let handler = Arc::clone(&self.handler);
         let Request {
             method, params, id, ..
         } = req;
-        let task = tokio::spawn(async move { handler.call(&method, params).await });
         match id {
-            Some(id) => tx.send(Slot::Pending(id, task)).await.map_err(drop),
+            Some(id) => {
+                let task = tokio::spawn(async move { handler.call(&method, params).await });
+                tx.send(Slot::Pending(id, task, permit)).await.map_err(drop)
+            }
             None => {
-                // Notification: no reply; still report failures in the log.
+                // Notification: no reply, but it holds its permit until it is done, so
+                // notifications count against the in-flight limit like calls. Failures are
+                // logged.
                 let conn = self.id;
+                let task = tokio::spawn(async move { handler.call(&method, params).await });
                 tokio::spawn(async move {
+                    let _permit = permit;
                     match task.await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => debug!(conn, "RPC notification failed: {e}"),
@@ -535,6 +795,23 @@ impl<H: Handler> Connection<H> {
             }
         }
     }
+}
+
+fn budget_error_reply(conn: u64, budget: &Budget) -> Vec<u8> {
+    warn!(
+        conn,
+        limit = budget.limit,
+        "closing RPC connection: partial messages across connections exceed the buffer budget"
+    );
+    let err = SpdkError::new(
+        crate::error::codes::ENOMEM,
+        format!(
+            "Cannot allocate memory: partial requests across connections exceed the server's \
+             {}-byte buffer budget",
+            budget.limit
+        ),
+    );
+    Response::error(Id::Null, err).to_bytes()
 }
 
 fn decode_error_reply(conn: u64, e: &DecodeError) -> Vec<u8> {
@@ -557,9 +834,10 @@ async fn write_replies(
     mut rx: mpsc::Receiver<Slot>,
 ) {
     while let Some(slot) = rx.recv().await {
-        let bytes = match slot {
-            Slot::Ready(b) => b,
-            Slot::Pending(id, task) => {
+        // The permit is held until the reply is written (dropped at the end of the loop).
+        let (bytes, _permit) = match slot {
+            Slot::Ready(b) => (b, None),
+            Slot::Pending(id, task, permit) => {
                 let payload = match task.await {
                     Ok(r) => r,
                     Err(e) if e.is_panic() => {
@@ -568,7 +846,7 @@ async fn write_replies(
                     }
                     Err(e) => Err(SpdkError::internal(format!("Internal error: {e}"))),
                 };
-                Response { id, payload }.to_bytes()
+                (Response { id, payload }.to_bytes(), Some(permit))
             }
         };
         if let Err(e) = wr.write_all(&bytes).await {

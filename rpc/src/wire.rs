@@ -14,18 +14,71 @@ pub use crate::error::{codes, SpdkError};
 /// Default maximum size of one JSON message: 64 MiB.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 64 * 1024 * 1024;
 
+/// Buffer capacity a [`StreamDecoder`] keeps across messages (more is given back by
+/// [`StreamDecoder::release`]).
+const RETAINED_CAPACITY: usize = 64 * 1024;
+
 /// A request id: number, string, or an explicit `null`.
 ///
 /// A request without any `id` member is a notification (`Option<Id>::None` in [`Request`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Id {
     /// A numeric id (SPDK's clients count up from 1).
     Number(Number),
+    /// A numeric id that [`Number`] cannot hold exactly (beyond 64 bits, a fraction or an
+    /// exponent), kept as the literal text received so that the reply echoes it byte for byte
+    /// (a float would not: `123456789012345678901234` would come back as `1.2345678901234568e23`).
+    Exact(String),
     /// A string id.
     String(String),
     /// `"id": null` (also used in replies to requests whose id could not be read).
     Null,
+}
+
+impl Serialize for Id {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Id::Number(n) => n.serialize(s),
+            Id::Exact(text) => match serde_json::value::RawValue::from_string(text.clone()) {
+                Ok(raw) => raw.serialize(s),
+                Err(e) => Err(serde::ser::Error::custom(e)),
+            },
+            Id::String(t) => s.serialize_str(t),
+            Id::Null => s.serialize_unit(),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Id {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Value::deserialize(d)? {
+            Value::Number(n) => Ok(Id::Number(n)),
+            Value::String(t) => Ok(Id::String(t)),
+            Value::Null => Ok(Id::Null),
+            other => Err(serde::de::Error::custom(format!(
+                "id must be a number, a string or null, not {other}"
+            ))),
+        }
+    }
+}
+
+impl Id {
+    /// `self` with a float-typed number replaced by its literal text from `frame`, the raw
+    /// bytes of the message it was read from (see [`Id::Exact`]).
+    pub fn exact_in(self, frame: &[u8]) -> Self {
+        #[derive(Deserialize)]
+        struct RawId<'a> {
+            #[serde(borrow)]
+            id: Option<&'a serde_json::value::RawValue>,
+        }
+        match self {
+            Id::Number(n) if n.is_f64() => match serde_json::from_slice::<RawId<'_>>(frame) {
+                Ok(RawId { id: Some(raw) }) => Id::Exact(raw.get().to_owned()),
+                _ => Id::Number(n),
+            },
+            other => other,
+        }
+    }
 }
 
 impl From<u64> for Id {
@@ -157,6 +210,23 @@ impl Request {
             id,
             params,
         })
+    }
+}
+
+impl Request {
+    /// [`from_value`](Self::from_value) for a value decoded from `frame`, its raw bytes: a
+    /// numeric id that does not fit a 64-bit integer keeps its exact literal ([`Id::Exact`]).
+    pub fn from_message(v: Value, frame: &[u8]) -> Result<Self, Box<InvalidRequest>> {
+        match Self::from_value(v) {
+            Ok(mut r) => {
+                r.id = r.id.map(|id| id.exact_in(frame));
+                Ok(r)
+            }
+            Err(mut bad) => {
+                bad.id = bad.id.map(|id| id.exact_in(frame));
+                Err(bad)
+            }
+        }
     }
 }
 
@@ -382,15 +452,64 @@ impl StreamDecoder {
     }
 
     /// Append received bytes.
+    ///
+    /// Bytes already returned as values are dropped first, and the buffer grows by doubling
+    /// but never past what one message of the maximum size needs, so its allocation is what
+    /// [`memory_after_feed`](Self::memory_after_feed) predicts.
     pub fn feed(&mut self, data: &[u8]) {
         if self.failed.is_some() {
             return;
         }
-        if self.start > 0 && self.start >= self.buf.len() / 2 {
+        self.drop_consumed();
+        let cap = self.grown_capacity(data.len());
+        if cap > self.buf.capacity() {
+            self.buf.reserve_exact(cap - self.buf.len());
+        }
+        self.buf.extend_from_slice(data);
+    }
+
+    /// Bytes allocated for buffering now.
+    pub fn memory(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// Bytes that will be allocated for buffering after [`feed`](Self::feed)ing `n` more bytes.
+    /// A server uses it to check a memory budget before it accepts more of a message.
+    pub fn memory_after_feed(&self, n: usize) -> usize {
+        if self.failed.is_some() {
+            return self.buf.capacity();
+        }
+        self.grown_capacity(n).max(self.buf.capacity())
+    }
+
+    /// Give back memory no longer needed: bytes already returned as values, and spare
+    /// capacity beyond twice what the value being received holds (a connection that sent one
+    /// large message does not keep its buffer).
+    pub fn release(&mut self) {
+        self.drop_consumed();
+        let len = self.buf.len();
+        if self.buf.capacity() > RETAINED_CAPACITY && len.saturating_mul(4) < self.buf.capacity() {
+            self.buf
+                .shrink_to(len.saturating_mul(2).max(RETAINED_CAPACITY));
+        }
+    }
+
+    fn drop_consumed(&mut self) {
+        if self.start > 0 {
             self.buf.drain(..self.start);
             self.start = 0;
         }
-        self.buf.extend_from_slice(data);
+    }
+
+    /// The capacity `feed(n)` grows the buffer to (after consumed bytes are dropped).
+    fn grown_capacity(&self, n: usize) -> usize {
+        let cap = self.buf.capacity();
+        let need = self.buf.len() - self.start + n;
+        if need <= cap {
+            return cap;
+        }
+        let doubled = cap.saturating_mul(2).min(self.max.saturating_add(1));
+        need.max(doubled)
     }
 
     /// Bytes received but not yet returned as values (including whitespace).
@@ -407,15 +526,18 @@ impl StreamDecoder {
 
     /// The next complete value, `Ok(None)` if more bytes are needed.
     pub fn next_value(&mut self) -> Result<Option<Value>, DecodeError> {
+        Ok(self.next_message()?.map(|(v, _)| v))
+    }
+
+    /// The next complete value with the raw bytes it was parsed from, `Ok(None)` if more
+    /// bytes are needed.
+    pub fn next_message(&mut self) -> Result<Option<(Value, &[u8])>, DecodeError> {
         match self.next_frame()? {
             None => Ok(None),
-            Some(range) => {
-                let slice = &self.buf[range];
-                match serde_json::from_slice::<Value>(slice) {
-                    Ok(v) => Ok(Some(v)),
-                    Err(e) => Err(self.fail(DecodeError::Parse(e.to_string()))),
-                }
-            }
+            Some(range) => match serde_json::from_slice::<Value>(&self.buf[range.clone()]) {
+                Ok(v) => Ok(Some((v, &self.buf[range]))),
+                Err(e) => Err(self.fail(DecodeError::Parse(e.to_string()))),
+            },
         }
     }
 
@@ -609,6 +731,48 @@ mod tests {
         let mut d = StreamDecoder::new(7);
         d.feed(br#"{"a":1}"#);
         assert_eq!(d.next_value(), Ok(Some(json!({"a":1}))));
+    }
+
+    #[test]
+    fn memory_is_predicted_bounded_and_given_back() {
+        let mut d = StreamDecoder::new(1 << 20);
+        let mut msg = br#"{"s":""#.to_vec();
+        msg.resize(600_000, b'x');
+        for chunk in msg.chunks(4096) {
+            let want = d.memory_after_feed(chunk.len());
+            d.feed(chunk);
+            assert_eq!(d.memory(), want);
+            // Never more than the limit plus one read, whatever doubling would give.
+            assert!(d.memory() <= (1 << 20) + 4096, "{}", d.memory());
+        }
+        d.feed(br#""}{"a":1}"#);
+        assert!(d.next_value().unwrap().is_some());
+        assert_eq!(d.next_value().unwrap(), Some(json!({"a":1})));
+        d.release();
+        assert!(d.memory() <= RETAINED_CAPACITY, "{}", d.memory());
+        // A partial message keeps what it needs.
+        d.feed(&msg);
+        d.release();
+        assert!(d.memory() >= msg.len());
+        assert_eq!(d.next_value(), Ok(None));
+    }
+
+    #[test]
+    fn exact_ids_keep_their_literal() {
+        let frame = br#"{"id":123456789012345678901234,"method":"m"}"#;
+        let v: Value = serde_json::from_slice(frame).unwrap();
+        let r = Request::from_message(v, frame).unwrap();
+        assert_eq!(r.id, Some(Id::Exact("123456789012345678901234".into())));
+        let out = Response::result(r.id.unwrap(), json!(true)).to_bytes();
+        assert_eq!(
+            out,
+            b"{\"jsonrpc\":\"2.0\",\"id\":123456789012345678901234,\"result\":true}\n"
+        );
+        // Integers that fit stay numbers.
+        let frame = br#"{"id":18446744073709551615,"method":"m"}"#;
+        let v: Value = serde_json::from_slice(frame).unwrap();
+        let r = Request::from_message(v, frame).unwrap();
+        assert_eq!(r.id, Some(Id::from(u64::MAX)));
     }
 
     #[test]

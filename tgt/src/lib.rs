@@ -15,12 +15,14 @@ pub mod bdevs;
 pub mod cpumask;
 pub mod error;
 pub mod metrics;
+pub mod names;
 pub mod persist;
 pub mod rpc;
 pub mod state;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use crate::state::{Target, TargetSettings};
 pub use cpumask::CpuMask;
@@ -42,6 +44,63 @@ pub struct TargetConfig {
     pub config_file: Option<PathBuf>,
     /// Prometheus endpoint address.
     pub metrics: Option<std::net::SocketAddr>,
+    /// Limits of the RPC server.
+    pub rpc_limits: RpcLimits,
+    /// How often unrestored configuration entries are retried (`None`: only at start and
+    /// when re-created by an RPC).
+    pub restore_retry: Option<Duration>,
+}
+
+/// Limits of the JSON-RPC server (see [`katablk_rpc::server`]).
+#[derive(Debug, Clone)]
+pub struct RpcLimits {
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// Idle connections are closed after this (`None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// Bytes of partial requests buffered across connections.
+    pub max_buffered: usize,
+    /// Requests and notifications in flight per connection.
+    pub max_in_flight: usize,
+}
+
+impl Default for RpcLimits {
+    fn default() -> Self {
+        RpcLimits {
+            max_connections: katablk_rpc::server::DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: Some(katablk_rpc::server::DEFAULT_IDLE_TIMEOUT),
+            max_buffered: katablk_rpc::server::DEFAULT_MAX_BUFFERED_TOTAL,
+            max_in_flight: katablk_rpc::server::DEFAULT_MAX_IN_FLIGHT,
+        }
+    }
+}
+
+/// How long stopping waits for the state lock (an operation stuck in I/O) before giving up
+/// on a clean close of controllers and lvstores.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Retries unrestored entries every `every`, saving the configuration when any came back.
+async fn retry_unrestored(target: Arc<Target>, state: Option<persist::StateDir>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        if target.unrestored_count() == 0 {
+            continue;
+        }
+        let (t, s) = (target.clone(), state.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            if persist::retry_unrestored(&t) > 0 {
+                if let Some(s) = &s {
+                    if let Err(e) = s.save(&t) {
+                        tracing::error!("cannot save the configuration: {e}");
+                    }
+                }
+            }
+        })
+        .await;
+    }
 }
 
 /// Errors starting the target.
@@ -86,7 +145,26 @@ pub async fn run(
             .map_err(|e| StartError::Io(p.display().to_string(), std::io::Error::other(e)))?
             .map_err(|e| StartError::Io(p.display().to_string(), e))?;
     }
-    let mut scfg = katablk_rpc::ServerConfig::new(&cfg.rpc_socket).mode(cfg.rpc_mode);
+    let unrestored = target.unrestored_count();
+    if unrestored > 0 {
+        tracing::warn!(
+            entries = unrestored,
+            "some saved configuration could not be restored; it is kept and retried (see katablk_get_unrestored)"
+        );
+    }
+    let retry_task = cfg
+        .restore_retry
+        .map(|every| tokio::spawn(retry_unrestored(target.clone(), state.clone(), every)));
+    let l = &cfg.rpc_limits;
+    let mut scfg = katablk_rpc::ServerConfig::new(&cfg.rpc_socket)
+        .mode(cfg.rpc_mode)
+        .max_connections(l.max_connections)
+        .idle_timeout(l.idle_timeout)
+        .max_in_flight(l.max_in_flight);
+    scfg = scfg.max_buffered(
+        l.max_buffered,
+        katablk_rpc::server::DEFAULT_UNBUDGETED_PER_CONNECTION,
+    );
     if let Some(g) = &cfg.rpc_group {
         scfg = scfg.group(g)?;
     }
@@ -114,11 +192,16 @@ pub async fn run(
         }
     };
     let res = server.serve_until(Arc::new(router), stop).await;
-    if let Some(t) = metrics_task {
+    for t in [metrics_task, retry_task].into_iter().flatten() {
         t.abort();
     }
     let t = target.clone();
-    let _ = tokio::task::spawn_blocking(move || t.shutdown()).await;
+    let stop = tokio::task::spawn_blocking(move || t.shutdown());
+    if tokio::time::timeout(SHUTDOWN_TIMEOUT, stop).await.is_err() {
+        tracing::warn!(
+            "state still busy after {SHUTDOWN_TIMEOUT:?}; stopping without a clean close"
+        );
+    }
     tracing::info!("katablk-target stopped");
     res.map_err(StartError::Rpc)
 }

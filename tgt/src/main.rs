@@ -1,6 +1,7 @@
 //! `katablk-target`: the embedded SPDK-compatible vhost target (flags as SPDK's `vhost` app).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -50,6 +51,19 @@ struct Args {
     /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9420).
     #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
+    /// Largest number of RPC connections at once; more are refused.
+    #[arg(long, default_value_t = katablk_rpc::server::DEFAULT_MAX_CONNECTIONS)]
+    rpc_max_connections: usize,
+    /// Close RPC connections idle this many seconds (0: never).
+    #[arg(long, default_value_t = 600)]
+    rpc_idle_timeout: u64,
+    /// MiB of partial RPC requests buffered across all connections.
+    #[arg(long, default_value_t = 128)]
+    rpc_max_buffered_mib: usize,
+    /// Retry saved configuration entries that could not be restored (a missing disk) every
+    /// this many seconds (0: only at start and when re-created).
+    #[arg(long, default_value_t = 30)]
+    restore_retry: u64,
 }
 
 fn parse_octal(s: &str) -> Result<u32, String> {
@@ -91,13 +105,23 @@ fn main() -> Result<()> {
         state_dir: a.state_dir,
         config_file: a.config,
         metrics: a.metrics,
+        rpc_limits: katablk_target::RpcLimits {
+            max_connections: a.rpc_max_connections,
+            idle_timeout: (a.rpc_idle_timeout > 0).then(|| Duration::from_secs(a.rpc_idle_timeout)),
+            max_buffered: a.rpc_max_buffered_mib.saturating_mul(1 << 20),
+            ..Default::default()
+        },
+        restore_retry: (a.restore_retry > 0).then(|| Duration::from_secs(a.restore_retry)),
     };
+    // State operations serialize on one lock, so a few blocking threads are plenty; the cap
+    // keeps a flood of calls from growing hundreds of threads.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(64)
         .enable_all()
         .build()
         .context("tokio runtime")?;
-    rt.block_on(async move {
+    let res = rt.block_on(async move {
         let shutdown = async {
             let mut term =
                 match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -111,6 +135,9 @@ fn main() -> Result<()> {
             tracing::info!("shutting down");
         };
         katablk_target::run(cfg, shutdown).await
-    })?;
+    });
+    // Do not wait forever for a blocking thread stuck in a system call.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    res?;
     Ok(())
 }

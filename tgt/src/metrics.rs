@@ -67,6 +67,16 @@ pub fn render(target: &Target) -> String {
     );
     let _ = writeln!(out, "# TYPE katablk_controllers gauge");
     let _ = writeln!(out, "katablk_controllers {}", ctrlrs.len());
+    let _ = writeln!(
+        out,
+        "# HELP katablk_unrestored_entries Saved configuration entries not restored (see katablk_get_unrestored)."
+    );
+    let _ = writeln!(out, "# TYPE katablk_unrestored_entries gauge");
+    let _ = writeln!(
+        out,
+        "katablk_unrestored_entries {}",
+        target.unrestored_count()
+    );
     out
 }
 

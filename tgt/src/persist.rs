@@ -2,14 +2,20 @@
 //! SPDK's `save_config` format and replayed at start, so a restart brings back the same
 //! controllers on the same sockets (lvols come back with their lvstore when the aio bdev is
 //! re-created, as with SPDK's examine).
+//!
+//! An entry that cannot be restored (its file is missing, say) is not dropped: the target
+//! keeps it as *unrestored* ([`Target::keep_unrestored`]), saves it with the rest, reports it
+//! (`katablk_get_unrestored`, and a warning in the log) and [`retry_unrestored`] tries it
+//! again (the daemon does so every `--restore-retry` seconds).
 
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
 
 use katablk_rpc::methods::{Config, ConfigEntry, SubsystemConfig};
+use katablk_rpc::SpdkError;
 use serde::de::DeserializeOwned;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::state::Target;
 
@@ -75,7 +81,12 @@ impl StateDir {
                 for e in sub.config.iter().flatten() {
                     match apply(target, e) {
                         Ok(()) => n += 1,
-                        Err(err) => warn!(method = %e.method, "not restored: {err}"),
+                        Err(err) => {
+                            warn!(method = %e.method, params = %params_text(e),
+                                "not restored; kept in the saved configuration and retried: {}",
+                                err.message);
+                            target.keep_unrestored(e, &err);
+                        }
                     }
                 }
             }
@@ -98,18 +109,53 @@ pub fn current_config(target: &Target) -> Config {
     }
 }
 
-fn params<P: DeserializeOwned>(e: &ConfigEntry) -> Result<P, String> {
-    katablk_rpc::wire::typed(e.params.clone()).map_err(|e| e.message)
+/// Retries every unrestored entry: bdevs first (an aio bdev only once its file exists again),
+/// then controllers. Returns how many came back.
+pub fn retry_unrestored(target: &Target) -> usize {
+    let before = target.unrestored_count();
+    for u in target.unrestored().unwrap_or_default() {
+        if u.subsystem != "bdev" {
+            continue;
+        }
+        let file = u
+            .params
+            .as_ref()
+            .and_then(|p| p.get("filename"))
+            .and_then(serde_json::Value::as_str);
+        if file.is_some_and(|f| std::fs::metadata(f).is_err()) {
+            continue;
+        }
+        let e = ConfigEntry {
+            method: u.method.clone(),
+            params: u.params.clone(),
+        };
+        match apply(target, &e) {
+            Ok(()) => info!(method = %e.method, bdev = %u.name, "unrestored entry restored"),
+            Err(err) => {
+                debug!(method = %e.method, bdev = %u.name, "still not restored: {}", err.message);
+                target.keep_unrestored(&e, &err);
+            }
+        }
+    }
+    target.retry_unrestored_controllers();
+    before.saturating_sub(target.unrestored_count())
 }
 
-fn apply(t: &Target, e: &ConfigEntry) -> Result<(), String> {
-    let r = match e.method.as_str() {
+fn params_text(e: &ConfigEntry) -> String {
+    e.params.as_ref().map(|p| p.to_string()).unwrap_or_default()
+}
+
+fn params<P: DeserializeOwned>(e: &ConfigEntry) -> Result<P, SpdkError> {
+    katablk_rpc::wire::typed(e.params.clone())
+}
+
+fn apply(t: &Target, e: &ConfigEntry) -> Result<(), SpdkError> {
+    match e.method.as_str() {
         "bdev_aio_create" => t.aio_create(&params(e)?).map(|_| ()),
         "bdev_malloc_create" => t.malloc_create(&params(e)?).map(|_| ()),
         "bdev_null_create" => t.null_create(&params(e)?).map(|_| ()),
         "bdev_wait_for_examine" => Ok(()),
         "vhost_create_blk_controller" => t.create_controller(&params(e)?).map(|_| ()),
-        other => return Err(format!("unknown method {other}")),
-    };
-    r.map_err(|e| e.message)
+        other => Err(SpdkError::method_not_found().with_data(other.into())),
+    }
 }

@@ -109,6 +109,7 @@ pub fn router(ctx: Ctx) -> Router {
             }
         }
     });
+    let r = route!(r, ctx, KatablkGetUnrestored, false, |t, _p| t.unrestored());
     let r = route!(r, ctx, BdevGetBdevs, false, |t, p| t
         .get_bdevs(p.name.as_deref()));
     let r = route!(r, ctx, BdevGetIostat, false, |t, p| {

@@ -2,7 +2,14 @@
 //!
 //! Every operation takes the one state lock, like SPDK's single RPC thread, and either
 //! completes or leaves nothing behind. Operations are synchronous (lvstore metadata I/O); the
-//! RPC layer runs them on blocking threads.
+//! RPC layer runs them on blocking threads. Opening a file is never done under the lock: an
+//! open can block (a FIFO, a slow device), and everything else would wait with it.
+//!
+//! Saved configuration entries that cannot be restored at start (a disk image missing at
+//! boot, say) are kept as *unrestored*: they stay in the configuration that is saved after
+//! every change, are listed by `katablk_get_unrestored`, and are retried at the next start,
+//! periodically (`--restore-retry`), and when the same bdev is created again (same name and
+//! file). A restored bdev brings back its lvstore and then the unrestored controllers on it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,9 +26,14 @@ use katablk_vhost::{BlkOptions, ServerHandle, StatsSnapshot, VhostBlkServer};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use crate::bdevs::{lvol_bdev_info, BaseBdev, BaseKind};
+use crate::bdevs::{
+    check_aio_backing, check_malloc_fits, lvol_bdev_info, ram_bytes, BaseBdev, BaseKind,
+};
 use crate::cpumask::CpuMask;
 use crate::error::{einval, in_use, lvol_err, vhost_no_device};
+use crate::names::valid_name;
+
+mod unrestored;
 
 const MIB: u64 = 1 << 20;
 
@@ -62,6 +74,8 @@ struct Inner {
     bdevs: BTreeMap<String, BaseBdev>,
     stores: Vec<Store>,
     ctrlrs: BTreeMap<String, Controller>,
+    /// Saved entries not restored (yet), in the order they were saved.
+    unrestored: Vec<UnrestoredEntry>,
 }
 
 /// A bdev found by name.
@@ -80,21 +94,31 @@ pub struct Target {
     settings: TargetSettings,
 }
 
-fn valid_name(kind: &str, name: &str) -> Result<(), SpdkError> {
-    if name.is_empty()
-        || name.len() > 255
-        || name.contains('/')
-        || name.chars().any(|c| c.is_control())
-    {
-        return Err(einval(format!("bad {kind} name {name:?}")));
+fn parse_uuid_opt(s: &Option<String>) -> Result<Option<Uuid>, SpdkError> {
+    match s {
+        Some(u) => Uuid::parse_str(u)
+            .map(Some)
+            .map_err(|_| einval(format!("bad uuid {u:?}"))),
+        None => Ok(None),
     }
-    Ok(())
 }
 
-fn parse_uuid(s: &Option<String>) -> Result<Uuid, SpdkError> {
-    match s {
-        Some(u) => Uuid::parse_str(u).map_err(|_| einval(format!("bad uuid {u:?}"))),
-        None => Ok(Uuid::new_v4()),
+/// Examine: an lvstore on a new bdev is opened with all its lvols (SPDK's examine). Done
+/// before the bdev is added, outside the lock for files.
+fn examine(name: &str, dev: &Arc<dyn BlockDevice>) -> Option<LvStore> {
+    match LvStore::probe(&**dev) {
+        Ok(true) => match LvStore::open(dev.clone()) {
+            Ok(lvs) => Some(lvs),
+            Err(e) => {
+                warn!(bdev = %name, "lvstore found but cannot be opened: {e}");
+                None
+            }
+        },
+        Ok(false) => None,
+        Err(e) => {
+            warn!(bdev = %name, "examine failed: {e}");
+            None
+        }
     }
 }
 
@@ -196,34 +220,36 @@ impl Target {
             .map_err(|_| SpdkError::internal("target state poisoned"))
     }
 
-    fn add_base(&self, inner: &mut Inner, b: BaseBdev) -> Result<String, SpdkError> {
+    /// Adds a base bdev and the lvstore found on it, then retries unrestored controllers.
+    fn add_base(&self, inner: &mut Inner, b: BaseBdev, lvs: Option<LvStore>) -> String {
         let name = b.name.clone();
-        // Examine: an lvstore on the new bdev is opened with all its lvols (SPDK's examine).
-        match LvStore::probe(&*b.dev) {
-            Ok(true) => match LvStore::open(b.dev.clone()) {
-                Ok(lvs) => {
-                    if inner
-                        .stores
-                        .iter()
-                        .any(|s| s.lvs.name() == lvs.name() || s.lvs.uuid() == lvs.uuid())
-                    {
-                        warn!(bdev = %name, lvs = %lvs.name(), "lvstore with the same name or uuid already open; not loaded");
-                        lvs.close();
-                    } else {
-                        info!(bdev = %name, lvs = %lvs.name(), lvols = lvs.list().len(), "lvstore loaded");
-                        inner.stores.push(Store {
-                            lvs: Arc::new(lvs),
-                            base: name.clone(),
-                        });
-                    }
-                }
-                Err(e) => warn!(bdev = %name, "lvstore found but cannot be opened: {e}"),
-            },
-            Ok(false) => {}
-            Err(e) => warn!(bdev = %name, "examine failed: {e}"),
+        if let Some(lvs) = lvs {
+            if inner
+                .stores
+                .iter()
+                .any(|s| s.lvs.name() == lvs.name() || s.lvs.uuid() == lvs.uuid())
+            {
+                warn!(bdev = %name, lvs = %lvs.name(), "lvstore with the same name or uuid already open; not loaded");
+                lvs.close();
+            } else {
+                info!(bdev = %name, lvs = %lvs.name(), lvols = lvs.list().len(), "lvstore loaded");
+                inner.stores.push(Store {
+                    lvs: Arc::new(lvs),
+                    base: name.clone(),
+                });
+            }
         }
         inner.bdevs.insert(name.clone(), b);
-        Ok(name)
+        if let Some(i) = inner
+            .unrestored
+            .iter()
+            .position(|u| u.subsystem == "bdev" && u.name == name)
+        {
+            inner.unrestored.remove(i);
+            info!(bdev = %name, "unrestored bdev is back");
+        }
+        self.retry_controllers(inner);
+        name
     }
 
     fn check_new_bdev_name(inner: &Inner, name: &str) -> Result<(), SpdkError> {
@@ -234,17 +260,25 @@ impl Target {
         Ok(())
     }
 
-    /// `bdev_aio_create`.
+    /// `bdev_aio_create`. The file is checked and opened, and its lvstore examined, without
+    /// the state lock.
     pub fn aio_create(&self, p: &BdevAioCreateParams) -> Result<String, SpdkError> {
-        let mut inner = self.lock()?;
-        Self::check_new_bdev_name(&inner, &p.name)?;
-        let uuid = parse_uuid(&p.uuid)?;
+        valid_name("bdev", &p.name)?;
+        let mut uuid = parse_uuid_opt(&p.uuid)?;
         let readonly = p.readonly.unwrap_or(false);
         if let Some(bs) = p.block_size {
             if !bs.is_power_of_two() || !(512..=4096).contains(&bs) {
                 return Err(einval(format!("block_size {bs}")));
             }
         }
+        {
+            let inner = self.lock()?;
+            Self::check_new_bdev_name(&inner, &p.name)?;
+            let saved =
+                Self::check_unrestored_name(&inner, &p.name, "bdev_aio_create", Some(&p.filename))?;
+            uuid = uuid.or(saved);
+        }
+        check_aio_backing(&p.filename)?;
         let opts = FileOptions {
             read_only: readonly,
             block_size: p.block_size,
@@ -257,22 +291,38 @@ impl Target {
             };
             SpdkError::new(-errno.unwrap_or(libc::EINVAL), e.to_string())
         })?;
+        let dev: Arc<dyn BlockDevice> = Arc::new(dev);
+        let lvs = examine(&p.name, &dev);
+        let mut inner = self.lock()?;
+        // Checked again: another call may have taken the name while the file was opened.
+        let again = Self::check_new_bdev_name(&inner, &p.name).and_then(|()| {
+            Self::check_unrestored_name(&inner, &p.name, "bdev_aio_create", Some(&p.filename))
+        });
+        if let Err(e) = again {
+            drop(inner);
+            if let Some(l) = lvs {
+                l.close();
+            }
+            return Err(e);
+        }
         info!(bdev = %p.name, file = %p.filename, "aio bdev created");
-        self.add_base(
+        Ok(self.add_base(
             &mut inner,
             BaseBdev {
                 name: p.name.clone(),
-                uuid,
+                uuid: uuid.unwrap_or_else(Uuid::new_v4),
                 kind: BaseKind::Aio {
                     filename: p.filename.clone(),
                     readonly,
                     block_size_override: p.block_size.is_some(),
                 },
-                dev: Arc::new(dev),
+                dev,
             },
-        )
+            lvs,
+        ))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn ram_create(
         &self,
         name: Option<&str>,
@@ -281,20 +331,26 @@ impl Target {
         block_size: u32,
         kind: BaseKind,
         prefix: &str,
+        method: &str,
     ) -> Result<String, SpdkError> {
+        if num_blocks == 0 {
+            return Err(einval("num_blocks must be positive"));
+        }
+        let bytes = ram_bytes(num_blocks, block_size)?;
+        if kind == BaseKind::Malloc {
+            check_malloc_fits(bytes)?;
+        }
         let mut inner = self.lock()?;
         let name = match name {
             Some(n) => n.to_string(),
             None => (0..)
                 .map(|i| format!("{prefix}{i}"))
-                .find(|n| inner.find(n).is_none())
+                .find(|n| inner.find(n).is_none() && !inner.unrestored.iter().any(|u| &u.name == n))
                 .unwrap_or_default(),
         };
         Self::check_new_bdev_name(&inner, &name)?;
-        let uuid = parse_uuid(uuid)?;
-        if num_blocks == 0 {
-            return Err(einval("num_blocks must be positive"));
-        }
+        let saved = Self::check_unrestored_name(&inner, &name, method, None)?;
+        let uuid = parse_uuid_opt(uuid)?.or(saved).unwrap_or_else(Uuid::new_v4);
         let dev: Arc<dyn BlockDevice> = match kind {
             BaseKind::Malloc => Arc::new(
                 MallocDevice::new(num_blocks, block_size).map_err(|e| einval(e.to_string()))?,
@@ -304,7 +360,8 @@ impl Target {
             ),
         };
         info!(bdev = %name, num_blocks, block_size, "{prefix} bdev created");
-        self.add_base(
+        let lvs = examine(&name, &dev);
+        Ok(self.add_base(
             &mut inner,
             BaseBdev {
                 name,
@@ -312,10 +369,11 @@ impl Target {
                 kind,
                 dev,
             },
-        )
+            lvs,
+        ))
     }
 
-    /// `bdev_malloc_create`.
+    /// `bdev_malloc_create`: refused (`-12`) beyond the memory available.
     pub fn malloc_create(&self, p: &BdevMallocCreateParams) -> Result<String, SpdkError> {
         if p.md_size.unwrap_or(0) != 0 || p.dif_type.unwrap_or(0) != 0 {
             return Err(einval("metadata and DIF are not supported"));
@@ -327,10 +385,11 @@ impl Target {
             p.block_size,
             BaseKind::Malloc,
             "Malloc",
+            "bdev_malloc_create",
         )
     }
 
-    /// `bdev_null_create`.
+    /// `bdev_null_create`: refused (`-22`) if the byte size overflows.
     pub fn null_create(&self, p: &BdevNullCreateParams) -> Result<String, SpdkError> {
         self.ram_create(
             Some(&p.name),
@@ -339,6 +398,7 @@ impl Target {
             p.block_size,
             BaseKind::Null,
             "Null",
+            "bdev_null_create",
         )
     }
 
@@ -346,6 +406,18 @@ impl Target {
     /// an lvstore uses the bdev (SPDK silently drops every lvol and leaves controllers dangling).
     pub fn base_delete(&self, name: &str, want: &str) -> Result<bool, SpdkError> {
         let mut inner = self.lock()?;
+        if !inner.bdevs.contains_key(name) {
+            let method = format!("bdev_{want}_create");
+            if let Some(i) = inner
+                .unrestored
+                .iter()
+                .position(|u| u.subsystem == "bdev" && u.name == name && u.method == method)
+            {
+                inner.unrestored.remove(i);
+                info!(bdev = %name, "unrestored bdev deleted from the configuration");
+                return Ok(true);
+            }
+        }
         let b = inner
             .bdevs
             .get(name)
@@ -710,9 +782,26 @@ impl Target {
         Ok(true)
     }
 
-    /// `vhost_create_blk_controller`.
+    /// `vhost_create_blk_controller`. An unrestored controller of the same name is replaced
+    /// once this one is created.
     pub fn create_controller(&self, p: &VhostCreateBlkControllerParams) -> Result<bool, SpdkError> {
         let mut inner = self.lock()?;
+        self.create_controller_locked(&mut inner, p)?;
+        if let Some(i) = inner
+            .unrestored
+            .iter()
+            .position(|u| u.subsystem == "vhost_blk" && u.name == p.ctrlr)
+        {
+            inner.unrestored.remove(i);
+        }
+        Ok(true)
+    }
+
+    fn create_controller_locked(
+        &self,
+        inner: &mut Inner,
+        p: &VhostCreateBlkControllerParams,
+    ) -> Result<(), SpdkError> {
         valid_name("controller", &p.ctrlr)?;
         if inner.ctrlrs.contains_key(&p.ctrlr) {
             return Err(SpdkError::exists());
@@ -802,7 +891,7 @@ impl Target {
                 handle,
             },
         );
-        Ok(true)
+        Ok(())
     }
 
     /// `vhost_delete_controller`: refused with -16 while a frontend is connected (as SPDK); a
@@ -812,6 +901,17 @@ impl Target {
         let t0 = std::time::Instant::now();
         let c = loop {
             let mut inner = self.lock()?;
+            if !inner.ctrlrs.contains_key(name) {
+                if let Some(i) = inner
+                    .unrestored
+                    .iter()
+                    .position(|u| u.subsystem == "vhost_blk" && u.name == name)
+                {
+                    inner.unrestored.remove(i);
+                    info!(ctrlr = %name, "unrestored controller deleted from the configuration");
+                    return Ok(true);
+                }
+            }
             let c = inner.ctrlrs.get(name).ok_or_else(vhost_no_device)?;
             if !c.handle.is_connected() {
                 break inner.ctrlrs.remove(name).ok_or_else(vhost_no_device)?;
@@ -930,6 +1030,17 @@ impl Target {
             method: method.to_string(),
             params: Some(params),
         };
+        // Unrestored entries stay in the configuration, after the live ones.
+        let unrestored = |sub: &'static str| {
+            inner
+                .unrestored
+                .iter()
+                .filter(move |u| u.subsystem == sub)
+                .map(|u| ConfigEntry {
+                    method: u.method.clone(),
+                    params: u.params.clone(),
+                })
+        };
         match subsystem {
             "bdev" => {
                 let mut v = Vec::new();
@@ -962,6 +1073,7 @@ impl Target {
                         ),
                     });
                 }
+                v.extend(unrestored("bdev"));
                 v.push(ConfigEntry {
                     method: "bdev_wait_for_examine".into(),
                     params: None,
@@ -979,6 +1091,7 @@ impl Target {
                             "transport": "vhost_user_blk"}),
                     )
                 })
+                .chain(unrestored("vhost_blk"))
                 .collect()),
             _ => Ok(Vec::new()),
         }

@@ -14,11 +14,13 @@ use serde::{Deserialize, Serialize};
 
 pub mod bdev;
 pub mod framework;
+pub mod katablk;
 pub mod lvol;
 pub mod vhost;
 
 pub use bdev::*;
 pub use framework::*;
+pub use katablk::*;
 pub use lvol::*;
 pub use vhost::*;
 
