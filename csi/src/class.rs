@@ -28,6 +28,105 @@ pub mod params {
     /// `"true"`: a Filesystem volume for runtime-rs handed over unformatted, for a container
     /// mount under `/dev` (runtime-rs then bind-mounts the guest's block device there).
     pub const RAW_BLOCK: &str = "rawBlock";
+    /// Rate limit: I/Os per second (a multiple of 1000, as SPDK requires; 0 = unlimited).
+    pub const RW_IOS_PER_SEC: &str = "rwIosPerSec";
+    /// Rate limit: MiB per second read and written.
+    pub const RW_MBYTES_PER_SEC: &str = "rwMBytesPerSec";
+    /// Rate limit: MiB per second read.
+    pub const R_MBYTES_PER_SEC: &str = "rMBytesPerSec";
+    /// Rate limit: MiB per second written.
+    pub const W_MBYTES_PER_SEC: &str = "wMBytesPerSec";
+    /// The rate-limit keys, also accepted as mutable parameters (VolumeAttributesClass).
+    pub const QOS: [&str; 4] = [
+        RW_IOS_PER_SEC,
+        RW_MBYTES_PER_SEC,
+        R_MBYTES_PER_SEC,
+        W_MBYTES_PER_SEC,
+    ];
+}
+
+/// Rate limits asked for a volume, in SPDK's `bdev_set_qos_limit` units; `None` leaves a limit
+/// as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QosParams {
+    /// I/Os per second.
+    pub rw_ios_per_sec: Option<u64>,
+    /// MiB per second, reads and writes.
+    pub rw_mbytes_per_sec: Option<u64>,
+    /// MiB per second, reads.
+    pub r_mbytes_per_sec: Option<u64>,
+    /// MiB per second, writes.
+    pub w_mbytes_per_sec: Option<u64>,
+}
+
+impl QosParams {
+    /// Parses the rate-limit keys of `p` (other keys are the caller's business). I/O limits
+    /// must be multiples of 1000 (SPDK's `SPDK_BDEV_QOS_MIN_IOS_PER_SEC`).
+    pub fn parse(p: &HashMap<String, String>) -> Result<Self> {
+        let get = |k: &str| -> Result<Option<u64>> {
+            match p.get(k) {
+                None => Ok(None),
+                Some(v) => v.trim().parse::<u64>().map(Some).map_err(|_| {
+                    CsiError::InvalidArgument(format!(
+                        "parameter {k}={} is not a non-negative integer",
+                        crate::volume::shown(v)
+                    ))
+                }),
+            }
+        };
+        let q = QosParams {
+            rw_ios_per_sec: get(params::RW_IOS_PER_SEC)?,
+            rw_mbytes_per_sec: get(params::RW_MBYTES_PER_SEC)?,
+            r_mbytes_per_sec: get(params::R_MBYTES_PER_SEC)?,
+            w_mbytes_per_sec: get(params::W_MBYTES_PER_SEC)?,
+        };
+        if let Some(n) = q.rw_ios_per_sec {
+            if n % 1000 != 0 {
+                return Err(CsiError::InvalidArgument(format!(
+                    "parameter {}={n} must be a multiple of 1000 (0 = unlimited)",
+                    params::RW_IOS_PER_SEC
+                )));
+            }
+        }
+        for (k, v) in [
+            (params::RW_MBYTES_PER_SEC, q.rw_mbytes_per_sec),
+            (params::R_MBYTES_PER_SEC, q.r_mbytes_per_sec),
+            (params::W_MBYTES_PER_SEC, q.w_mbytes_per_sec),
+        ] {
+            if v.is_some_and(|v| v > u64::MAX >> 20) {
+                return Err(CsiError::InvalidArgument(format!(
+                    "parameter {k} is too large"
+                )));
+            }
+        }
+        Ok(q)
+    }
+
+    /// `self` with every limit `other` gives replaced by it.
+    pub fn overlay(&self, other: &QosParams) -> QosParams {
+        QosParams {
+            rw_ios_per_sec: other.rw_ios_per_sec.or(self.rw_ios_per_sec),
+            rw_mbytes_per_sec: other.rw_mbytes_per_sec.or(self.rw_mbytes_per_sec),
+            r_mbytes_per_sec: other.r_mbytes_per_sec.or(self.r_mbytes_per_sec),
+            w_mbytes_per_sec: other.w_mbytes_per_sec.or(self.w_mbytes_per_sec),
+        }
+    }
+
+    /// Whether any limit is given.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
+
+    /// The `bdev_set_qos_limit` call for bdev `name`.
+    pub fn rpc_params(&self, name: &str) -> katablk_rpc::methods::BdevSetQosLimitParams {
+        katablk_rpc::methods::BdevSetQosLimitParams {
+            name: name.to_owned(),
+            rw_ios_per_sec: self.rw_ios_per_sec,
+            rw_mbytes_per_sec: self.rw_mbytes_per_sec,
+            r_mbytes_per_sec: self.r_mbytes_per_sec,
+            w_mbytes_per_sec: self.w_mbytes_per_sec,
+        }
+    }
 }
 
 /// Parsed StorageClass parameters.
@@ -47,6 +146,8 @@ pub struct ClassParams {
     pub kata_runtime: Option<crate::kata::KataRuntime>,
     /// Unformatted hand-over for runtime-rs.
     pub raw_block: bool,
+    /// Rate limits.
+    pub qos: QosParams,
 }
 
 fn parse_bool(k: &str, v: &str) -> Result<bool> {
@@ -101,7 +202,8 @@ impl ClassParams {
                 params::KATA_RUNTIME,
                 params::RAW_BLOCK,
             ]
-            .contains(&k.as_str());
+            .contains(&k.as_str())
+                || params::QOS.contains(&k.as_str());
             if !known && !k.starts_with("csi.storage.k8s.io/") {
                 return Err(CsiError::InvalidArgument(format!(
                     "unknown parameter {k:?}"
@@ -169,6 +271,7 @@ impl ClassParams {
                 return Err(CsiError::InvalidArgument(why));
             }
         }
+        let qos = QosParams::parse(p)?;
         Ok(Self {
             lvs: lvs.to_owned(),
             thin,
@@ -177,6 +280,7 @@ impl ClassParams {
             fstype,
             kata_runtime,
             raw_block,
+            qos,
         })
     }
 }
@@ -214,6 +318,19 @@ impl ClassParams {
         }
         Ok(())
     }
+}
+
+/// The rate limits of a VolumeAttributesClass (`mutable_parameters` of CreateVolume and
+/// ControllerModifyVolume): only the rate-limit keys may change after creation.
+pub fn mutable_qos(p: &HashMap<String, String>) -> Result<QosParams> {
+    if let Some(k) = p.keys().find(|k| !params::QOS.contains(&k.as_str())) {
+        return Err(CsiError::InvalidArgument(format!(
+            "mutable parameter {} cannot be changed; mutable: {}",
+            crate::volume::shown(k),
+            params::QOS.join(", ")
+        )));
+    }
+    QosParams::parse(p)
 }
 
 /// Why a capability is not supported, if it is not.
@@ -335,6 +452,25 @@ mod tests {
         .unwrap();
         assert_eq!(rs.kata_runtime, Some(crate::kata::KataRuntime::Rs));
         assert!(rs.raw_block);
+        assert!(!rs.qos.any());
+        let q = ClassParams::parse(
+            &m(&[
+                ("spdk", "true"),
+                ("rwIosPerSec", "20000"),
+                ("wMBytesPerSec", "0"),
+            ]),
+            Some("lvs0"),
+        )
+        .unwrap()
+        .qos;
+        assert_eq!(q.rw_ios_per_sec, Some(20000));
+        assert_eq!(q.w_mbytes_per_sec, Some(0));
+        assert_eq!(q.rw_mbytes_per_sec, None);
+        let r = q.rpc_params("lvs0/v");
+        assert_eq!(
+            serde_json::to_value(&r).unwrap(),
+            serde_json::json!({"name": "lvs0/v", "rw_ios_per_sec": 20000, "w_mbytes_per_sec": 0})
+        );
     }
 
     #[test]

@@ -6,10 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use katablk_rpc::methods::{BdevInfo, BdevLvolCreateParams};
+use katablk_rpc::methods::{BdevInfo, BdevLvolCreateParams, BdevSetQosLimit};
 use tonic::{Request, Response, Status};
 
-use crate::class::{check_capabilities, params, unsupported_capability, ClassParams};
+use crate::class::{
+    check_capabilities, mutable_qos, params, unsupported_capability, ClassParams, QosParams,
+};
 use crate::csi::{self, controller_service_capability as csc, volume_capability as vc};
 use crate::driver::{bdev_alias, bdev_size, Driver, TOPOLOGY_KEY};
 use crate::error::{CsiError, Result};
@@ -182,6 +184,8 @@ impl ControllerService {
         check_capabilities(&r.volume_capabilities)?;
         let p = ClassParams::parse(&r.parameters, self.d.cfg.lvs.as_deref())?;
         p.check_capabilities(&r.volume_capabilities)?;
+        // A VolumeAttributesClass at creation: its parameters win over the StorageClass's.
+        let qos = p.qos.overlay(&mutable_qos(&r.mutable_parameters)?);
         if !self.topology_ok(r.accessibility_requirements.as_ref()) {
             return Err(CsiError::ResourceExhausted(format!(
                 "requisite topology does not include node {}",
@@ -200,6 +204,8 @@ impl ControllerService {
                     bdev_size(&b)
                 )));
             }
+            // A retry may follow a failed limit call: set the limits again.
+            self.apply_qos(&id, &qos).await?;
             return Ok(self.to_volume(&b, &id, Some(&p), src));
         }
         let create_err = |e: CsiError| {
@@ -292,7 +298,34 @@ impl ControllerService {
             self.d.lvol(&id).await?.ok_or_else(|| {
                 CsiError::Internal(format!("volume {id} vanished after creation"))
             })?;
+        self.apply_qos(&id, &qos).await?;
         Ok(self.to_volume(&b, &id, Some(&p), src))
+    }
+
+    /// Sets the volume's rate limits on its bdev (the target keeps them, across restarts too).
+    async fn apply_qos(&self, id: &LvolId, q: &QosParams) -> Result<()> {
+        if !q.any() {
+            return Ok(());
+        }
+        self.d
+            .rpc
+            .call_method::<BdevSetQosLimit>(&q.rpc_params(&id.alias()))
+            .await
+            .map_err(CsiError::rpc("bdev_set_qos_limit"))?;
+        tracing::info!(volume_id = %id, ?q, "rate limits set");
+        Ok(())
+    }
+
+    async fn modify_volume(&self, r: csi::ControllerModifyVolumeRequest) -> Result<()> {
+        let id = require_id(&r.volume_id, "volume_id")?;
+        let q = mutable_qos(&r.mutable_parameters)?;
+        let _g = self.d.locks.lock(&id.alias()).await;
+        self.d
+            .lvol(&id)
+            .await?
+            .filter(|b| !is_snapshot(b))
+            .ok_or_else(|| CsiError::NotFound(format!("volume {id} does not exist")))?;
+        self.apply_qos(&id, &q).await
     }
 
     async fn clone_from(
@@ -821,6 +854,7 @@ impl csi::controller_server::Controller for ControllerService {
             Type::ListSnapshots,
             Type::CloneVolume,
             Type::ExpandVolume,
+            Type::ModifyVolume,
         ]
         .into_iter()
         .map(rpc_cap)
@@ -875,6 +909,20 @@ impl csi::controller_server::Controller for ControllerService {
         let vid = r.volume_id.clone();
         let res = self.expand(r).await;
         self.d.finish("ControllerExpandVolume", &vid, t0, res)
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        req: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        let t0 = Instant::now();
+        let r = req.into_inner();
+        let vid = r.volume_id.clone();
+        let res = self
+            .modify_volume(r)
+            .await
+            .map(|()| csi::ControllerModifyVolumeResponse {});
+        self.d.finish("ControllerModifyVolume", &vid, t0, res)
     }
 }
 

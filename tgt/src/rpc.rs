@@ -148,6 +148,7 @@ pub fn router(ctx: Ctx) -> Router {
             bdevs,
         })
     });
+    let r = route!(r, ctx, BdevSetQosLimit, true, |t, p| t.set_qos_limit(&p));
     let r = route!(r, ctx, BdevAioCreate, true, |t, p| t.aio_create(&p));
     let r = route!(r, ctx, BdevAioDelete, true, |t, p| t
         .base_delete(&p.name, "aio"));

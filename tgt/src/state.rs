@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use katablk_bdev::file::{FileDevice, FileOptions};
 use katablk_bdev::malloc::MallocDevice;
 use katablk_bdev::null::NullDevice;
+use katablk_bdev::qos::{Limiter, QosLimits};
 use katablk_bdev::BlockDevice;
 use katablk_lvol::{ClearMethod, LvStore, LvolOptions, LvsOptions};
 use katablk_rpc::methods::*;
@@ -76,6 +77,9 @@ struct Inner {
     ctrlrs: BTreeMap<String, Controller>,
     /// Saved entries not restored (yet), in the order they were saved.
     unrestored: Vec<UnrestoredEntry>,
+    /// Rate limits by bdev (its canonical name: base bdev name or lvol UUID), shared by every
+    /// controller of the bdev; made on first use, limits set by `bdev_set_qos_limit`.
+    qos: BTreeMap<String, Arc<Limiter>>,
 }
 
 /// A bdev found by name.
@@ -187,6 +191,26 @@ impl Inner {
         match f {
             Found::Base(n) => n.clone(),
             Found::Lvol { uuid, .. } => uuid.to_string(),
+        }
+    }
+
+    /// The limiter of bdev `canonical` (made, unlimited, if it has none).
+    fn limiter(&mut self, canonical: &str) -> Arc<Limiter> {
+        self.qos.entry(canonical.to_string()).or_default().clone()
+    }
+
+    /// `assigned_rate_limits` of bdev `canonical`, in SPDK's units.
+    fn rate_limits(&self, canonical: &str) -> RateLimits {
+        let l = self
+            .qos
+            .get(canonical)
+            .map(|l| l.limits())
+            .unwrap_or_default();
+        RateLimits {
+            rw_ios_per_sec: l.rw_ios_per_sec,
+            rw_mbytes_per_sec: l.rw_bytes_per_sec >> 20,
+            r_mbytes_per_sec: l.r_bytes_per_sec >> 20,
+            w_mbytes_per_sec: l.w_bytes_per_sec >> 20,
         }
     }
 
@@ -439,12 +463,22 @@ impl Target {
             ));
         }
         inner.bdevs.remove(name);
+        inner.qos.remove(name);
         info!(bdev = %name, "bdev deleted");
         Ok(true)
     }
 
     /// `bdev_get_bdevs`.
     pub fn get_bdevs(&self, name: Option<&str>) -> Result<Vec<BdevInfo>, SpdkError> {
+        let mut v = self.get_bdevs_unlimited(name)?;
+        let inner = self.lock()?;
+        for b in &mut v {
+            b.assigned_rate_limits = inner.rate_limits(&b.name);
+        }
+        Ok(v)
+    }
+
+    fn get_bdevs_unlimited(&self, name: Option<&str>) -> Result<Vec<BdevInfo>, SpdkError> {
         let inner = self.lock()?;
         let claimed_base = |n: &str| inner.stores.iter().any(|s| s.base == n);
         let lvol_entry = |store: usize, info: &katablk_lvol::LvolInfo| {
@@ -482,6 +516,50 @@ impl Target {
                 Ok(out)
             }
         }
+    }
+
+    /// `bdev_set_qos_limit`, with SPDK's checks: at least one limit, I/O limits in multiples of
+    /// 1000; an absent limit stays as it was, 0 removes one. The limits apply to every
+    /// controller of the bdev at once, including ones already serving a guest.
+    pub fn set_qos_limit(&self, p: &BdevSetQosLimitParams) -> Result<bool, SpdkError> {
+        let given = [
+            p.rw_ios_per_sec,
+            p.rw_mbytes_per_sec,
+            p.r_mbytes_per_sec,
+            p.w_mbytes_per_sec,
+        ];
+        if given.iter().all(Option::is_none) {
+            return Err(SpdkError::invalid_params("No rate limits specified"));
+        }
+        if let Some(n) = p.rw_ios_per_sec.filter(|n| n % 1000 != 0) {
+            return Err(einval(format!(
+                "rw_ios_per_sec {n} is not a multiple of 1000"
+            )));
+        }
+        let mib = |v: Option<u64>, what: &str| -> Result<Option<u64>, SpdkError> {
+            v.map(|m| {
+                m.checked_mul(1 << 20)
+                    .ok_or_else(|| einval(format!("{what} {m} is too large")))
+            })
+            .transpose()
+        };
+        let rw = mib(p.rw_mbytes_per_sec, "rw_mbytes_per_sec")?;
+        let r = mib(p.r_mbytes_per_sec, "r_mbytes_per_sec")?;
+        let w = mib(p.w_mbytes_per_sec, "w_mbytes_per_sec")?;
+        let mut inner = self.lock()?;
+        let found = inner.find(&p.name).ok_or_else(SpdkError::no_such_device)?;
+        let canonical = inner.canonical(&found);
+        let l = inner.limiter(&canonical);
+        let old = l.limits();
+        let new = QosLimits {
+            rw_ios_per_sec: p.rw_ios_per_sec.unwrap_or(old.rw_ios_per_sec),
+            rw_bytes_per_sec: rw.unwrap_or(old.rw_bytes_per_sec),
+            r_bytes_per_sec: r.unwrap_or(old.r_bytes_per_sec),
+            w_bytes_per_sec: w.unwrap_or(old.w_bytes_per_sec),
+        };
+        l.set_limits(new);
+        info!(bdev = %p.name, ?new, "rate limits set");
+        Ok(true)
     }
 
     /// `bdev_lvol_create_lvstore`.
@@ -695,7 +773,7 @@ impl Target {
 
     /// `bdev_lvol_delete`: refused while a controller serves the lvol.
     pub fn delete_lvol(&self, name: &str) -> Result<bool, SpdkError> {
-        let inner = self.lock()?;
+        let mut inner = self.lock()?;
         let (i, uuid) = Self::lvol_of(&inner, name)?;
         if let Some(c) = inner.users_of(&uuid.to_string()).first() {
             return Err(in_use(&format!("lvol {name}"), &format!("controller {c}")));
@@ -704,6 +782,7 @@ impl Target {
             .lvs
             .delete(&uuid.to_string())
             .map_err(lvol_err)?;
+        inner.qos.remove(&uuid.to_string());
         info!(lvol = %name, "lvol deleted");
         Ok(true)
     }
@@ -870,7 +949,7 @@ impl Target {
             writeback: true,
             cpus: cpumask.cpus().to_vec(),
             runtime: None,
-            qos: None,
+            qos: Some(inner.limiter(&canonical)),
         };
         let server = VhostBlkServer::bind(&socket, dev, opts, Some(self.settings.socket_mode))
             .map_err(|e| einval(e.to_string()))?;
@@ -1078,6 +1157,20 @@ impl Target {
                     method: "bdev_wait_for_examine".into(),
                     params: None,
                 });
+                // After the examine: lvols exist by then (SPDK's save_config order too).
+                for name in inner.qos.keys() {
+                    let l = inner.rate_limits(name);
+                    if l != RateLimits::default() {
+                        v.push(entry(
+                            "bdev_set_qos_limit",
+                            serde_json::json!({"name": name,
+                                "rw_ios_per_sec": l.rw_ios_per_sec,
+                                "rw_mbytes_per_sec": l.rw_mbytes_per_sec,
+                                "r_mbytes_per_sec": l.r_mbytes_per_sec,
+                                "w_mbytes_per_sec": l.w_mbytes_per_sec}),
+                        ));
+                    }
+                }
                 Ok(v)
             }
             "vhost_blk" => Ok(inner

@@ -397,3 +397,30 @@ method!(
     /// `bdev_null_delete` → `true`.
     BdevNullDelete = "bdev_null_delete", BdevDeleteParams => bool, idempotent: false
 );
+
+/// `bdev_set_qos_limit` params: SPDK's names and units. An absent limit is left as it is; 0
+/// removes it. SPDK requires I/O limits in multiples of 1000 and byte limits in whole MiB (of
+/// at least 1), and at least one limit in the call.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BdevSetQosLimitParams {
+    /// The bdev (name or alias).
+    pub name: String,
+    /// Read/write I/Os per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rw_ios_per_sec: Option<u64>,
+    /// Read/write MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rw_mbytes_per_sec: Option<u64>,
+    /// Read MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub r_mbytes_per_sec: Option<u64>,
+    /// Write MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub w_mbytes_per_sec: Option<u64>,
+}
+
+method!(
+    /// `bdev_set_qos_limit` → `true`.
+    BdevSetQosLimit = "bdev_set_qos_limit", BdevSetQosLimitParams => bool, idempotent: false
+);

@@ -71,6 +71,7 @@ pub const METHOD_NAMES: &[&str] = &[
     BdevGetBdevs::NAME,
     BdevGetIostat::NAME,
     BdevWaitForExamine::NAME,
+    BdevSetQosLimit::NAME,
     BdevAioCreate::NAME,
     BdevAioDelete::NAME,
     BdevMallocCreate::NAME,

@@ -1,0 +1,215 @@
+//! `bdev_set_qos_limit` on katablk-target: SPDK's parameters, checks and errors, the limits
+//! reported in `bdev_get_bdevs`, applied live to a controller serving a guest, an lvol's limit
+//! independent of its lvstore's base, and kept across a restart (and a kill -9).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use katablk_rpc::methods::*;
+use katablk_rpc::{RpcClient, RpcError};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn client(t: &Target) -> RpcClient {
+    RpcClient::builder(&t.rpc)
+        .timeout(Duration::from_secs(30))
+        .build()
+}
+
+thread_local! {
+    /// One runtime for the whole test: a client's connection lives on the runtime it was
+    /// made on.
+    static RT: tokio::runtime::Runtime = rt();
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    RT.with(|r| r.block_on(f))
+}
+
+fn set(rpc: &RpcClient, p: BdevSetQosLimitParams) -> Result<bool, RpcError> {
+    block_on(rpc.call_method::<BdevSetQosLimit>(&p))
+}
+
+fn limits(rpc: &RpcClient, name: &str) -> RateLimits {
+    block_on(rpc.bdev_get_bdevs(Some(name))).unwrap()[0]
+        .assigned_rate_limits
+        .clone()
+}
+
+fn code(r: Result<bool, RpcError>) -> i32 {
+    match r {
+        Err(e) => e
+            .code()
+            .unwrap_or_else(|| panic!("expected an RPC error, got {e:?}")),
+        Ok(v) => panic!("expected an RPC error, got {v:?}"),
+    }
+}
+
+/// 4 KiB reads, one at a time, for `dur`; returns how many completed.
+fn reads_for(blk: &mut Blk, dur: Duration) -> u64 {
+    let t0 = Instant::now();
+    let mut n = 0;
+    while t0.elapsed() < dur {
+        blk.read((n % 64) * 4096, 4096);
+        n += 1;
+    }
+    n
+}
+
+#[test]
+fn limits_are_checked_reported_applied_live_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let img = image(dir.path(), "disk.img", 64);
+    let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
+    let rpc = client(&t);
+    block_on(async {
+        rpc.bdev_aio_create(&BdevAioCreateParams {
+            filename: img.display().to_string(),
+            name: "aio0".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        rpc.bdev_lvol_create_lvstore(&BdevLvolCreateLvstoreParams {
+            bdev_name: "aio0".into(),
+            lvs_name: "lvs0".into(),
+            cluster_sz: Some(1 << 20),
+            clear_method: None,
+            num_md_pages_per_cluster_ratio: None,
+            md_page_size: None,
+        })
+        .await
+        .unwrap();
+        rpc.bdev_lvol_create(&BdevLvolCreateParams {
+            lvol_name: "vol".into(),
+            size_in_mib: 8,
+            thin_provision: Some(false),
+            clear_method: None,
+            uuid: None,
+            lvs_name: Some("lvs0".into()),
+        })
+        .await
+        .unwrap();
+        rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
+            ctrlr: "ctrlr0".into(),
+            dev_name: "lvs0/vol".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    let q = |name: &str| BdevSetQosLimitParams {
+        name: name.into(),
+        ..Default::default()
+    };
+    // SPDK's refusals: no limit given, an I/O limit not a multiple of 1000, no such bdev.
+    assert_eq!(code(set(&rpc, q("lvs0/vol"))), -32602);
+    assert_eq!(
+        code(set(
+            &rpc,
+            BdevSetQosLimitParams {
+                rw_ios_per_sec: Some(1500),
+                ..q("lvs0/vol")
+            }
+        )),
+        -22
+    );
+    assert_eq!(
+        code(set(
+            &rpc,
+            BdevSetQosLimitParams {
+                rw_ios_per_sec: Some(1000),
+                ..q("nosuch")
+            }
+        )),
+        -19
+    );
+    assert_eq!(limits(&rpc, "lvs0/vol"), RateLimits::default());
+
+    // A guest already running: unlimited first.
+    let mut blk = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
+    let free = reads_for(&mut blk, Duration::from_millis(500));
+    // 1000 I/Os per second, set while it runs, on the lvol only.
+    assert!(set(
+        &rpc,
+        BdevSetQosLimitParams {
+            rw_ios_per_sec: Some(1000),
+            r_mbytes_per_sec: Some(10),
+            ..q("lvs0/vol")
+        }
+    )
+    .unwrap());
+    let got = limits(&rpc, "lvs0/vol");
+    assert_eq!(got.rw_ios_per_sec, 1000);
+    assert_eq!(got.r_mbytes_per_sec, 10);
+    assert_eq!(got.rw_mbytes_per_sec, 0);
+    assert_eq!(
+        limits(&rpc, "aio0"),
+        RateLimits::default(),
+        "the base is not limited"
+    );
+    let t0 = Instant::now();
+    let n = reads_for(&mut blk, Duration::from_secs(1));
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(
+        n as f64 <= 1000.0 * secs * 1.05 + 60.0,
+        "{n} in {secs:.2} s"
+    );
+    assert!(
+        free < 550 || n < free * 2,
+        "not throttled: {n} in 1 s vs {free} in 0.5 s free"
+    );
+    // Partial update: the I/O limit goes, the read limit stays.
+    assert!(set(
+        &rpc,
+        BdevSetQosLimitParams {
+            rw_ios_per_sec: Some(0),
+            ..q("lvs0/vol")
+        }
+    )
+    .unwrap());
+    let got = limits(&rpc, "lvs0/vol");
+    assert_eq!((got.rw_ios_per_sec, got.r_mbytes_per_sec), (0, 10));
+    drop(blk);
+
+    // Kept across a kill -9 and a restart, in the saved configuration.
+    assert!(set(
+        &rpc,
+        BdevSetQosLimitParams {
+            rw_ios_per_sec: Some(2000),
+            ..q("lvs0/vol")
+        }
+    )
+    .unwrap());
+    let saved = std::fs::read_to_string(state.join("config.json")).unwrap();
+    assert!(saved.contains("bdev_set_qos_limit"), "{saved}");
+    t.kill9();
+    t.spawn();
+    let rpc = client(&t);
+    let got = limits(&rpc, "lvs0/vol");
+    assert_eq!((got.rw_ios_per_sec, got.r_mbytes_per_sec), (2000, 10));
+    let mut blk = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
+    let t0 = Instant::now();
+    let n = reads_for(&mut blk, Duration::from_millis(800));
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(
+        n as f64 <= 2000.0 * secs * 1.05 + 110.0,
+        "{n} in {secs:.2} s"
+    );
+    drop(blk);
+    // A deleted volume's limits go with it.
+    block_on(rpc.vhost_delete_controller("ctrlr0")).unwrap();
+    block_on(rpc.bdev_lvol_delete("lvs0/vol")).unwrap();
+    let saved = std::fs::read_to_string(state.join("config.json")).unwrap();
+    assert!(!saved.contains("bdev_set_qos_limit"), "{saved}");
+    assert!(t.term().success());
+}
