@@ -156,6 +156,7 @@ fn apply(t: &Target, e: &ConfigEntry) -> Result<(), SpdkError> {
         "bdev_null_create" => t.null_create(&params(e)?).map(|_| ()),
         "bdev_wait_for_examine" => Ok(()),
         "bdev_set_qos_limit" => t.set_qos_limit(&params(e)?).map(|_| ()),
+        "katablk_set_qos_group" => t.set_qos_group(&params(e)?).map(|_| ()),
         "vhost_create_blk_controller" => t.create_controller(&params(e)?).map(|_| ()),
         other => Err(SpdkError::method_not_found().with_data(other.into())),
     }

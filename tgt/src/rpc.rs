@@ -149,6 +149,10 @@ pub fn router(ctx: Ctx) -> Router {
         })
     });
     let r = route!(r, ctx, BdevSetQosLimit, true, |t, p| t.set_qos_limit(&p));
+    let r = route!(r, ctx, KatablkSetQosGroup, true, |t, p| t.set_qos_group(&p));
+    let r = route!(r, ctx, KatablkDeleteQosGroup, true, |t, p| t
+        .delete_qos_group(&p.name));
+    let r = route!(r, ctx, KatablkGetQosGroups, false, |t, _p| t.qos_groups());
     let r = route!(r, ctx, BdevAioCreate, true, |t, p| t.aio_create(&p));
     let r = route!(r, ctx, BdevAioDelete, true, |t, p| t
         .base_delete(&p.name, "aio"));

@@ -80,6 +80,57 @@ struct Inner {
     /// Rate limits by bdev (its canonical name: base bdev name or lvol UUID), shared by every
     /// controller of the bdev; made on first use, limits set by `bdev_set_qos_limit`.
     qos: BTreeMap<String, Arc<Limiter>>,
+    /// Rate limits shared by several bdevs (`katablk_set_qos_group`).
+    qos_groups: BTreeMap<String, QosGroup>,
+}
+
+/// A limit shared by its member bdevs.
+struct QosGroup {
+    limiter: Arc<Limiter>,
+    /// Members by canonical name.
+    members: Vec<String>,
+}
+
+/// The limits of `old` with those a call gives replaced, checked as SPDK checks
+/// `bdev_set_qos_limit`'s (at least one given; I/O limits in multiples of 1000).
+fn merged_limits(
+    old: QosLimits,
+    ios: Option<u64>,
+    rw_mib: Option<u64>,
+    r_mib: Option<u64>,
+    w_mib: Option<u64>,
+) -> Result<QosLimits, SpdkError> {
+    if [ios, rw_mib, r_mib, w_mib].iter().all(Option::is_none) {
+        return Err(SpdkError::invalid_params("No rate limits specified"));
+    }
+    if let Some(n) = ios.filter(|n| n % 1000 != 0) {
+        return Err(einval(format!(
+            "rw_ios_per_sec {n} is not a multiple of 1000"
+        )));
+    }
+    let bytes = |v: Option<u64>, what: &str, old: u64| -> Result<u64, SpdkError> {
+        match v {
+            None => Ok(old),
+            Some(m) => m
+                .checked_mul(1 << 20)
+                .ok_or_else(|| einval(format!("{what} {m} is too large"))),
+        }
+    };
+    Ok(QosLimits {
+        rw_ios_per_sec: ios.unwrap_or(old.rw_ios_per_sec),
+        rw_bytes_per_sec: bytes(rw_mib, "rw_mbytes_per_sec", old.rw_bytes_per_sec)?,
+        r_bytes_per_sec: bytes(r_mib, "r_mbytes_per_sec", old.r_bytes_per_sec)?,
+        w_bytes_per_sec: bytes(w_mib, "w_mbytes_per_sec", old.w_bytes_per_sec)?,
+    })
+}
+
+fn to_rate_limits(l: QosLimits) -> RateLimits {
+    RateLimits {
+        rw_ios_per_sec: l.rw_ios_per_sec,
+        rw_mbytes_per_sec: l.rw_bytes_per_sec >> 20,
+        r_mbytes_per_sec: l.r_bytes_per_sec >> 20,
+        w_mbytes_per_sec: l.w_bytes_per_sec >> 20,
+    }
 }
 
 /// A bdev found by name.
@@ -201,16 +252,30 @@ impl Inner {
 
     /// `assigned_rate_limits` of bdev `canonical`, in SPDK's units.
     fn rate_limits(&self, canonical: &str) -> RateLimits {
-        let l = self
-            .qos
-            .get(canonical)
-            .map(|l| l.limits())
-            .unwrap_or_default();
-        RateLimits {
-            rw_ios_per_sec: l.rw_ios_per_sec,
-            rw_mbytes_per_sec: l.rw_bytes_per_sec >> 20,
-            r_mbytes_per_sec: l.r_bytes_per_sec >> 20,
-            w_mbytes_per_sec: l.w_bytes_per_sec >> 20,
+        to_rate_limits(
+            self.qos
+                .get(canonical)
+                .map(|l| l.limits())
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Gives bdev `canonical`'s limiter the groups that list it.
+    fn regroup(&mut self, canonical: &str) {
+        let groups: Vec<Arc<Limiter>> = self
+            .qos_groups
+            .values()
+            .filter(|g| g.members.iter().any(|m| m == canonical))
+            .map(|g| g.limiter.clone())
+            .collect();
+        self.limiter(canonical).set_groups(groups);
+    }
+
+    /// Forgets a deleted bdev's limits and group memberships.
+    fn forget_qos(&mut self, canonical: &str) {
+        self.qos.remove(canonical);
+        for g in self.qos_groups.values_mut() {
+            g.members.retain(|m| m != canonical);
         }
     }
 
@@ -463,7 +528,7 @@ impl Target {
             ));
         }
         inner.bdevs.remove(name);
-        inner.qos.remove(name);
+        inner.forget_qos(name);
         info!(bdev = %name, "bdev deleted");
         Ok(true)
     }
@@ -522,44 +587,111 @@ impl Target {
     /// 1000; an absent limit stays as it was, 0 removes one. The limits apply to every
     /// controller of the bdev at once, including ones already serving a guest.
     pub fn set_qos_limit(&self, p: &BdevSetQosLimitParams) -> Result<bool, SpdkError> {
-        let given = [
-            p.rw_ios_per_sec,
-            p.rw_mbytes_per_sec,
-            p.r_mbytes_per_sec,
-            p.w_mbytes_per_sec,
-        ];
-        if given.iter().all(Option::is_none) {
-            return Err(SpdkError::invalid_params("No rate limits specified"));
-        }
-        if let Some(n) = p.rw_ios_per_sec.filter(|n| n % 1000 != 0) {
-            return Err(einval(format!(
-                "rw_ios_per_sec {n} is not a multiple of 1000"
-            )));
-        }
-        let mib = |v: Option<u64>, what: &str| -> Result<Option<u64>, SpdkError> {
-            v.map(|m| {
-                m.checked_mul(1 << 20)
-                    .ok_or_else(|| einval(format!("{what} {m} is too large")))
-            })
-            .transpose()
-        };
-        let rw = mib(p.rw_mbytes_per_sec, "rw_mbytes_per_sec")?;
-        let r = mib(p.r_mbytes_per_sec, "r_mbytes_per_sec")?;
-        let w = mib(p.w_mbytes_per_sec, "w_mbytes_per_sec")?;
         let mut inner = self.lock()?;
         let found = inner.find(&p.name).ok_or_else(SpdkError::no_such_device)?;
         let canonical = inner.canonical(&found);
         let l = inner.limiter(&canonical);
-        let old = l.limits();
-        let new = QosLimits {
-            rw_ios_per_sec: p.rw_ios_per_sec.unwrap_or(old.rw_ios_per_sec),
-            rw_bytes_per_sec: rw.unwrap_or(old.rw_bytes_per_sec),
-            r_bytes_per_sec: r.unwrap_or(old.r_bytes_per_sec),
-            w_bytes_per_sec: w.unwrap_or(old.w_bytes_per_sec),
-        };
+        let new = merged_limits(
+            l.limits(),
+            p.rw_ios_per_sec,
+            p.rw_mbytes_per_sec,
+            p.r_mbytes_per_sec,
+            p.w_mbytes_per_sec,
+        )?;
         l.set_limits(new);
         info!(bdev = %p.name, ?new, "rate limits set");
         Ok(true)
+    }
+
+    /// `katablk_set_qos_group`: a limit shared by several bdevs (katablk's extension).
+    pub fn set_qos_group(&self, p: &KatablkSetQosGroupParams) -> Result<bool, SpdkError> {
+        valid_name("QoS group", &p.name)?;
+        let mut inner = self.lock()?;
+        let members = match &p.bdevs {
+            None => None,
+            Some(names) => {
+                let mut v = Vec::new();
+                for n in names {
+                    let f = inner.find(n).ok_or_else(SpdkError::no_such_device)?;
+                    let c = inner.canonical(&f);
+                    if !v.contains(&c) {
+                        v.push(c);
+                    }
+                }
+                Some(v)
+            }
+        };
+        let old = inner
+            .qos_groups
+            .get(&p.name)
+            .map(|g| g.limiter.limits())
+            .unwrap_or_default();
+        let no_limits = [
+            p.rw_ios_per_sec,
+            p.rw_mbytes_per_sec,
+            p.r_mbytes_per_sec,
+            p.w_mbytes_per_sec,
+        ]
+        .iter()
+        .all(Option::is_none);
+        // A membership change alone is a valid call here.
+        let limits = if members.is_some() && no_limits {
+            old
+        } else {
+            merged_limits(
+                old,
+                p.rw_ios_per_sec,
+                p.rw_mbytes_per_sec,
+                p.r_mbytes_per_sec,
+                p.w_mbytes_per_sec,
+            )?
+        };
+        let g = inner
+            .qos_groups
+            .entry(p.name.clone())
+            .or_insert_with(|| QosGroup {
+                limiter: Limiter::new(),
+                members: Vec::new(),
+            });
+        g.limiter.set_limits(limits);
+        let mut touched = g.members.clone();
+        if let Some(m) = members {
+            touched.extend(m.iter().cloned());
+            g.members = m;
+        }
+        for c in touched {
+            inner.regroup(&c);
+        }
+        info!(group = %p.name, ?limits, "QoS group set");
+        Ok(true)
+    }
+
+    /// `katablk_delete_qos_group`: its members keep their own limits.
+    pub fn delete_qos_group(&self, name: &str) -> Result<bool, SpdkError> {
+        let mut inner = self.lock()?;
+        let g = inner
+            .qos_groups
+            .remove(name)
+            .ok_or_else(SpdkError::no_such_device)?;
+        for c in g.members {
+            inner.regroup(&c);
+        }
+        info!(group = %name, "QoS group deleted");
+        Ok(true)
+    }
+
+    /// `katablk_get_qos_groups`.
+    pub fn qos_groups(&self) -> Result<Vec<QosGroupInfo>, SpdkError> {
+        let inner = self.lock()?;
+        Ok(inner
+            .qos_groups
+            .iter()
+            .map(|(name, g)| QosGroupInfo {
+                name: name.clone(),
+                assigned_rate_limits: to_rate_limits(g.limiter.limits()),
+                bdevs: g.members.clone(),
+            })
+            .collect())
     }
 
     /// `bdev_lvol_create_lvstore`.
@@ -782,7 +914,7 @@ impl Target {
             .lvs
             .delete(&uuid.to_string())
             .map_err(lvol_err)?;
-        inner.qos.remove(&uuid.to_string());
+        inner.forget_qos(&uuid.to_string());
         info!(lvol = %name, "lvol deleted");
         Ok(true)
     }
@@ -1157,7 +1289,8 @@ impl Target {
                     method: "bdev_wait_for_examine".into(),
                     params: None,
                 });
-                // After the examine: lvols exist by then (SPDK's save_config order too).
+                // After the examine: lvols exist by then (SPDK's save_config order too); groups
+                // after the per-bdev limits.
                 for name in inner.qos.keys() {
                     let l = inner.rate_limits(name);
                     if l != RateLimits::default() {
@@ -1170,6 +1303,18 @@ impl Target {
                                 "w_mbytes_per_sec": l.w_mbytes_per_sec}),
                         ));
                     }
+                }
+                for (name, g) in &inner.qos_groups {
+                    let l = to_rate_limits(g.limiter.limits());
+                    v.push(entry(
+                        "katablk_set_qos_group",
+                        serde_json::json!({"name": name,
+                            "rw_ios_per_sec": l.rw_ios_per_sec,
+                            "rw_mbytes_per_sec": l.rw_mbytes_per_sec,
+                            "r_mbytes_per_sec": l.r_mbytes_per_sec,
+                            "w_mbytes_per_sec": l.w_mbytes_per_sec,
+                            "bdevs": g.members}),
+                    ));
                 }
                 Ok(v)
             }

@@ -213,3 +213,106 @@ fn limits_are_checked_reported_applied_live_and_kept() {
     assert!(!saved.contains("bdev_set_qos_limit"), "{saved}");
     assert!(t.term().success());
 }
+
+#[test]
+fn a_group_shares_one_budget_and_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
+    let rpc = client(&t);
+    block_on(async {
+        for i in 0..2 {
+            rpc.bdev_malloc_create(&BdevMallocCreateParams {
+                name: Some(format!("m{i}")),
+                num_blocks: 16384,
+                block_size: 512,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
+                ctrlr: format!("c{i}"),
+                dev_name: format!("m{i}"),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+    });
+    let group = |bdevs: Option<Vec<String>>, ios: Option<u64>| KatablkSetQosGroupParams {
+        name: "pod-1".into(),
+        rw_ios_per_sec: ios,
+        bdevs,
+        ..Default::default()
+    };
+    let set_group =
+        |p: KatablkSetQosGroupParams| block_on(rpc.call_method::<KatablkSetQosGroup>(&p));
+    // A member that does not exist: -19, nothing made.
+    assert_eq!(
+        set_group(group(Some(vec!["nosuch".into()]), Some(1000)))
+            .unwrap_err()
+            .code(),
+        Some(-19)
+    );
+    assert!(
+        block_on(rpc.call_method::<KatablkGetQosGroups>(&NoParams {}))
+            .unwrap()
+            .is_empty()
+    );
+    assert!(set_group(group(Some(vec!["m0".into(), "m1".into()]), Some(1000))).unwrap());
+    let g = block_on(rpc.call_method::<KatablkGetQosGroups>(&NoParams {})).unwrap();
+    assert_eq!(g.len(), 1);
+    assert_eq!(g[0].assigned_rate_limits.rw_ios_per_sec, 1000);
+    assert_eq!(g[0].bdevs, ["m0", "m1"]);
+    // The members' own limits are untouched.
+    assert_eq!(limits(&rpc, "m0"), RateLimits::default());
+
+    let run_both = |t: &Target, dur: Duration| -> u64 {
+        let socks = [t.ctrlr_socket("c0"), t.ctrlr_socket("c1")];
+        let hs: Vec<_> = socks
+            .into_iter()
+            .map(|s| {
+                std::thread::spawn(move || {
+                    let mut b = Blk::connect(&s).unwrap();
+                    reads_for(&mut b, dur)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    };
+    let t0 = Instant::now();
+    let n = run_both(&t, Duration::from_secs(1));
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(
+        n as f64 <= 1000.0 * secs * 1.05 + 110.0,
+        "{n} in {secs:.2} s"
+    );
+
+    // Kept across a restart.
+    assert!(t.term().success());
+    t.spawn();
+    let rpc2 = client(&t);
+    let g = block_on(rpc2.call_method::<KatablkGetQosGroups>(&NoParams {})).unwrap();
+    assert_eq!((g.len(), g[0].bdevs.len()), (1, 2), "{g:?}");
+    let t0 = Instant::now();
+    let n = run_both(&t, Duration::from_millis(800));
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(
+        n as f64 <= 1000.0 * secs * 1.05 + 110.0,
+        "{n} in {secs:.2} s"
+    );
+    // Deleted: the members are free again.
+    assert!(block_on(
+        rpc2.call_method::<KatablkDeleteQosGroup>(&KatablkDeleteQosGroupParams {
+            name: "pod-1".into()
+        })
+    )
+    .unwrap());
+    let t0 = Instant::now();
+    let n = run_both(&t, Duration::from_millis(800));
+    assert!(
+        n as f64 > 1000.0 * t0.elapsed().as_secs_f64() * 1.2 || n > 2000,
+        "still throttled after the group was deleted: {n}"
+    );
+    assert!(t.term().success());
+}

@@ -32,3 +32,63 @@ method!(
     /// `katablk_get_unrestored` → the saved configuration entries not restored (yet).
     KatablkGetUnrestored = "katablk_get_unrestored", NoParams => Vec<UnrestoredEntry>, idempotent: true
 );
+
+/// `katablk_set_qos_group` params: a rate limit shared by several bdevs (SPDK has none: its
+/// `bdev_set_qos_limit` is per bdev). Creates the group if needed; limits as in
+/// `bdev_set_qos_limit` (absent: kept, 0: removed); `bdevs`, if given, replaces the members.
+/// A member's requests must pass its own limits and the group's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KatablkSetQosGroupParams {
+    /// Group name.
+    pub name: String,
+    /// Read/write I/Os per second (a multiple of 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rw_ios_per_sec: Option<u64>,
+    /// Read/write MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rw_mbytes_per_sec: Option<u64>,
+    /// Read MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub r_mbytes_per_sec: Option<u64>,
+    /// Write MiB per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub w_mbytes_per_sec: Option<u64>,
+    /// The member bdevs (names or aliases); absent: unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bdevs: Option<Vec<String>>,
+}
+
+/// One group in `katablk_get_qos_groups`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QosGroupInfo {
+    /// Group name.
+    pub name: String,
+    /// Its limits (0 = unlimited).
+    pub assigned_rate_limits: super::RateLimits,
+    /// Member bdevs, by the name controllers use (base bdev name or lvol UUID).
+    pub bdevs: Vec<String>,
+}
+
+/// `katablk_delete_qos_group` params.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KatablkDeleteQosGroupParams {
+    /// Group name.
+    pub name: String,
+}
+
+method!(
+    /// `katablk_set_qos_group` → `true`.
+    KatablkSetQosGroup = "katablk_set_qos_group", KatablkSetQosGroupParams => bool, idempotent: false
+);
+
+method!(
+    /// `katablk_get_qos_groups` → every group.
+    KatablkGetQosGroups = "katablk_get_qos_groups", NoParams => Vec<QosGroupInfo>, idempotent: true
+);
+
+method!(
+    /// `katablk_delete_qos_group` → `true` (its members keep their own limits).
+    KatablkDeleteQosGroup = "katablk_delete_qos_group", KatablkDeleteQosGroupParams => bool, idempotent: false
+);
