@@ -235,6 +235,15 @@ impl BlkBackend {
         let inflight = self.inflight.clone();
         let worker = self.queue_worker[index];
         let mem = self.mem.memory();
+        if !self.owned {
+            // The protocol's first message is SET_OWNER: no queue runs before it (queues set
+            // up earlier start when it comes).
+            debug!(
+                queue = index,
+                "vring ready before SET_OWNER: not started yet"
+            );
+            return Ok(());
+        }
         let v = &mut self.vrings[index];
         if v.running || !v.enabled || v.kick.is_none() {
             return Ok(());
@@ -407,6 +416,9 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             return Err(VuError::InvalidOperation("already owned"));
         }
         self.owned = true;
+        for i in 0..self.vrings.len() {
+            self.maybe_start(i)?;
+        }
         Ok(())
     }
 

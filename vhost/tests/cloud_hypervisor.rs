@@ -320,3 +320,69 @@ fn cloud_hypervisor_connects_configures_and_does_io() {
     drop(fe);
     srv.stop().unwrap();
 }
+
+/// The protocol's first message is SET_OWNER: a frontend that sets up and kicks a queue
+/// without it gets no I/O served until it sends it.
+#[test]
+fn no_queue_runs_before_set_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("owner.sock");
+    let dev = Arc::new(MallocDevice::new(BLOCKS, 512).unwrap());
+    let opts = BlkOptions {
+        queue_size: QSIZE,
+        poll_us: 0,
+        ..Default::default()
+    };
+    let srv = VhostBlkServer::bind(&sock, dev, opts, None)
+        .unwrap()
+        .spawn()
+        .unwrap();
+    let mut fe = Frontend::connect(&sock, 1).unwrap();
+    let feats = fe.get_features().unwrap();
+    fe.set_features(feats & (F_VERSION_1 | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()))
+        .unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    fe.set_protocol_features(pf & VhostUserProtocolFeatures::REPLY_ACK)
+        .unwrap();
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let file = memfd(MEM);
+    let region = MmapRegion::from_file(FileOffset::new(file.try_clone().unwrap(), 0), MEM).unwrap();
+    let mem =
+        GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()])
+            .unwrap();
+    fe.set_mem_table(&[region_info(&mem, &file, 0, MEM)])
+        .unwrap();
+    let host = mem.get_host_address(GuestAddress(0)).unwrap() as u64;
+    let q = MockSplitQueue::create(&mem, GuestAddress(0x40_0000), QSIZE);
+    fe.set_vring_num(0, QSIZE).unwrap();
+    fe.set_vring_addr(
+        0,
+        &VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: host + q.desc_table_addr().0,
+            used_ring_addr: host + q.used_addr().0,
+            avail_ring_addr: host + q.avail_addr().0,
+            log_addr: None,
+        },
+    )
+    .unwrap();
+    fe.set_vring_base(0, 0).unwrap();
+    let call = EventFd::new(0).unwrap();
+    let kick = EventFd::new(0).unwrap();
+    fe.set_vring_call(0, &call).unwrap();
+    fe.set_vring_kick(0, &kick).unwrap();
+    fe.set_vring_enable(0, true).unwrap();
+    let r = chain(&mem, 0x10_0000, 0, 0, None, 0);
+    q.add_desc_chains(&r, 0).unwrap();
+    kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(q.used().idx().load(), 0, "served before SET_OWNER");
+    fe.set_owner().unwrap();
+    kick.write(1).unwrap();
+    wait_used(&q, 1);
+    assert_eq!(mem.read_obj::<u8>(GuestAddress(0x10_2000)).unwrap(), 0);
+    drop(fe);
+    srv.stop().unwrap();
+}
