@@ -648,6 +648,25 @@ impl Worker {
         // The device's properties once per batch, not per request, and not at all when the
         // ring is empty (a polling worker looks many times between requests).
         let mut info: Option<katablk_bdev::DeviceInfo> = None;
+        // An available index more than a ring ahead of ours is the driver's bug or an attack:
+        // virtio-queue would refuse it (and log it) on every look, forever. Stop the queue
+        // once, with one message, instead.
+        {
+            let q = &mut self.queues[i];
+            if let Ok(avail) = q.ctx.queue.avail_idx(&**mem, Ordering::Acquire) {
+                let ahead = avail.0.wrapping_sub(q.ctx.queue.next_avail());
+                if ahead > q.ctx.queue.size() {
+                    error!(
+                        queue = q.ctx.index,
+                        avail = avail.0,
+                        next = q.ctx.queue.next_avail(),
+                        "available index more than a ring ahead; queue stopped"
+                    );
+                    q.broken = true;
+                    return false;
+                }
+            }
+        }
         loop {
             if shared.poison.is_poisoned() {
                 break;
@@ -1037,6 +1056,31 @@ mod tests {
     /// Requests in a mock queue are served against a RAM device: the status bytes and used ring
     /// entries written back into guest memory are checked, and a malformed chain gets IOERR
     /// without stopping the queue.
+    #[test]
+    fn a_wild_available_index_stops_the_queue_once() {
+        let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap();
+        let mem = GuestMemoryAtomic::new(gm);
+        let snap = mem.memory().into_inner();
+        let mq = MockSplitQueue::new(&*snap, 16);
+        mq.avail().idx().store(u16::to_le(40));
+        let queue: Queue = mq.create_queue().unwrap();
+        let mut w = worker(&mem, false);
+        w.start(Box::new(VringCtx {
+            index: 0,
+            queue,
+            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
+            call: Some(EventFd::new(EFD_NONBLOCK).unwrap()),
+            inflight: None,
+            resubmit: VecDeque::new(),
+            counter: 0,
+        }));
+        assert!(!w.service(0, &snap));
+        assert!(w.queues[0].broken);
+        // Not looked at again.
+        assert!(!w.service(0, &snap));
+        assert_eq!(mq.used().idx().load(), 0);
+    }
+
     #[test]
     fn worker_serves_mock_queue() {
         let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap();
