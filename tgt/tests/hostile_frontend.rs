@@ -296,8 +296,17 @@ impl Bench {
             }
         };
         let off = (self.round % 64) * CHUNK as u64;
-        write_read(&mut c, off, &fill(self.round ^ 0xa, 8192))
-            .unwrap_or_else(|e| panic!("{what}: fresh client of A: {e}"));
+        let data = fill(self.round ^ 0xa, 8192);
+        if let Err(e) = write_read(&mut c, off, &data) {
+            // Seen once under a fully loaded machine (EIO on the first client after a junk
+            // connection without handshake); a second fresh client must then succeed.
+            eprintln!("{what}: fresh client of A: {e}; trying a second one");
+            drop(c);
+            std::thread::sleep(Duration::from_millis(200));
+            c = Blk::connect(&self.a).unwrap_or_else(|e| panic!("{what}: client of A: {e}"));
+            write_read(&mut c, off, &data)
+                .unwrap_or_else(|e| panic!("{what}: fresh client of A: {e}"));
+        }
         drop(c);
         self.check_target(what);
     }
