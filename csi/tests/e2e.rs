@@ -11,10 +11,6 @@ use katablk_csi::csi::{self, volume_capability::access_mode::Mode};
 use katablk_csi::volume::LvolId;
 use tonic::Code;
 
-fn ctrlr(vol: &str) -> String {
-    LvolId::parse(vol).unwrap().ctrlr_name()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_volume_lifecycle() {
     let mut e = Env::start().await;

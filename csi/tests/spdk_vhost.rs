@@ -11,7 +11,6 @@ use std::path::PathBuf;
 
 use common::*;
 use katablk_csi::csi;
-use katablk_csi::volume::LvolId;
 use tonic::Code;
 
 fn spdk_vhost() -> Option<PathBuf> {
@@ -25,10 +24,6 @@ fn spdk_vhost() -> Option<PathBuf> {
         return None;
     }
     Some(v)
-}
-
-fn ctrlr(vol: &str) -> String {
-    LvolId::parse(vol).unwrap().ctrlr_name()
 }
 
 /// The lvol bdev behind an alias `lvs/lvol`, as SPDK reports it (None once deleted).
