@@ -61,6 +61,39 @@ pub fn render(target: &Target) -> String {
             );
         }
     }
+    let qos = target.qos_stats().unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "# HELP katablk_bdev_qos_throttled_requests_total Requests that waited for the bdev's rate limits (per bdev)."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE katablk_bdev_qos_throttled_requests_total counter"
+    );
+    for (b, q) in &qos {
+        let _ = writeln!(
+            out,
+            "katablk_bdev_qos_throttled_requests_total{{bdev=\"{}\"}} {}",
+            esc(b),
+            q.throttled_requests
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP katablk_bdev_qos_throttled_seconds_total Time the bdev's queues held requests back for its rate limits (per bdev, summed over queues)."
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE katablk_bdev_qos_throttled_seconds_total counter"
+    );
+    for (b, q) in &qos {
+        let _ = writeln!(
+            out,
+            "katablk_bdev_qos_throttled_seconds_total{{bdev=\"{}\"}} {:.9}",
+            esc(b),
+            q.throttled_ns as f64 / 1e9
+        );
+    }
     let _ = writeln!(
         out,
         "# HELP katablk_controllers Number of vhost-user-blk controllers."

@@ -123,13 +123,15 @@ pub fn router(ctx: Ctx) -> Router {
             _ => None,
         };
         let all = t.iostat()?;
+        let qos = t.qos_stats()?;
+        let entry = |k: &str, s: &katablk_vhost::StatsSnapshot| iostat_entry(k, s, qos.get(k));
         let pick = |n: &str| -> Result<Vec<BdevIostat>, SpdkError> {
             let info = t.get_bdevs(Some(n))?;
             let canon = info.first().map(|b| b.name.clone()).unwrap_or_default();
             Ok(all
                 .iter()
                 .filter(|(k, _)| *k == canon)
-                .map(|(k, s)| iostat_entry(k, s))
+                .map(|(k, s)| entry(k, s))
                 .collect())
         };
         let bdevs = match want {
@@ -140,7 +142,7 @@ pub fn router(ctx: Ctx) -> Router {
                 }
                 v
             }
-            None => all.iter().map(|(k, s)| iostat_entry(k, s)).collect(),
+            None => all.iter().map(|(k, s)| entry(k, s)).collect(),
         };
         Ok(IostatResult {
             tick_rate: 1_000_000_000,
@@ -195,8 +197,14 @@ pub fn router(ctx: Ctx) -> Router {
         .set_coalescing(&p))
 }
 
-fn iostat_entry(name: &str, s: &katablk_vhost::StatsSnapshot) -> BdevIostat {
+fn iostat_entry(
+    name: &str,
+    s: &katablk_vhost::StatsSnapshot,
+    qos: Option<&katablk_bdev::qos::QosStats>,
+) -> BdevIostat {
     BdevIostat {
+        katablk_qos_throttled_requests: qos.map(|q| q.throttled_requests),
+        katablk_qos_throttled_ns: qos.map(|q| q.throttled_ns),
         name: name.to_string(),
         bytes_read: s.read_bytes,
         num_read_ops: s.read_ops,

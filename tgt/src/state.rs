@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use katablk_bdev::file::{FileDevice, FileOptions};
 use katablk_bdev::malloc::MallocDevice;
 use katablk_bdev::null::NullDevice;
-use katablk_bdev::qos::{Limiter, QosLimits};
+use katablk_bdev::qos::{Limiter, QosLimits, QosStats};
 use katablk_bdev::BlockDevice;
 use katablk_lvol::{ClearMethod, LvStore, LvolOptions, LvsOptions};
 use katablk_rpc::methods::*;
@@ -1222,6 +1222,16 @@ impl Target {
             }
         }
         Ok(per.into_iter().collect())
+    }
+
+    /// Rate-limit counters of every bdev that has a limiter (a limit, a group or a controller).
+    pub fn qos_stats(&self) -> Result<BTreeMap<String, QosStats>, SpdkError> {
+        let inner = self.lock()?;
+        Ok(inner
+            .qos
+            .iter()
+            .map(|(k, l)| (k.clone(), l.stats()))
+            .collect())
     }
 
     /// Per-controller I/O counters.

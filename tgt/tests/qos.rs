@@ -168,6 +168,22 @@ fn limits_are_checked_reported_applied_live_and_kept() {
         free < 550 || n < free * 2,
         "not throttled: {n} in 1 s vs {free} in 0.5 s free"
     );
+    // The time spent waiting is counted, per bdev (katablk's extension to bdev_get_iostat).
+    let st = block_on(
+        rpc.bdev_get_iostat(&katablk_rpc::methods::BdevGetIostatParams {
+            name: Some("lvs0/vol".into()),
+            ..Default::default()
+        }),
+    )
+    .unwrap();
+    let vol = &st.bdevs[0];
+    if n + 100 < free * 2 {
+        assert!(vol.katablk_qos_throttled_requests.unwrap() > 0, "{vol:?}");
+        assert!(
+            vol.katablk_qos_throttled_ns.unwrap() > 100_000_000,
+            "{vol:?}"
+        );
+    }
     // Partial update: the I/O limit goes, the read limit stays.
     assert!(set(
         &rpc,

@@ -224,6 +224,14 @@ pub struct BdevIostat {
     pub min_copy_latency_ticks: u64,
     /// Error counters by status name.
     pub io_error: Map<String, Value>,
+    /// katablk-target's extension: requests of this bdev that waited for its rate limits
+    /// (`bdev_set_qos_limit`, `katablk_set_qos_group`). SPDK does not report it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub katablk_qos_throttled_requests: Option<u64>,
+    /// katablk-target's extension: time this bdev's queues spent holding requests back for its
+    /// rate limits, in nanoseconds (summed over queues).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub katablk_qos_throttled_ns: Option<u64>,
     /// Members not modelled here (per-channel data, ...).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
