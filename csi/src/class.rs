@@ -43,11 +43,31 @@ pub mod params {
         R_MBYTES_PER_SEC,
         W_MBYTES_PER_SEC,
     ];
+    /// Per-pod rate limit: I/Os per second shared by every volume of this class (and of any
+    /// other class with pod limits) that one pod mounts. Needs kubelet's pod info on publish
+    /// (`podInfoOnMount: true` in the CSIDriver object).
+    pub const POD_RW_IOS_PER_SEC: &str = "podRwIosPerSec";
+    /// Per-pod rate limit: MiB per second read and written.
+    pub const POD_RW_MBYTES_PER_SEC: &str = "podRwMBytesPerSec";
+    /// Per-pod rate limit: MiB per second read.
+    pub const POD_R_MBYTES_PER_SEC: &str = "podRMBytesPerSec";
+    /// Per-pod rate limit: MiB per second written.
+    pub const POD_W_MBYTES_PER_SEC: &str = "podWMBytesPerSec";
+    /// The per-pod rate-limit keys, in the order of [`QOS`].
+    pub const POD_QOS: [&str; 4] = [
+        POD_RW_IOS_PER_SEC,
+        POD_RW_MBYTES_PER_SEC,
+        POD_R_MBYTES_PER_SEC,
+        POD_W_MBYTES_PER_SEC,
+    ];
+    /// The pod UID kubelet passes in the volume context on publish when the CSIDriver has
+    /// `podInfoOnMount: true`.
+    pub const POD_UID: &str = "csi.storage.k8s.io/pod.uid";
 }
 
 /// Rate limits asked for a volume, in SPDK's `bdev_set_qos_limit` units; `None` leaves a limit
 /// as it is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QosParams {
     /// I/Os per second.
     pub rw_ios_per_sec: Option<u64>,
@@ -63,6 +83,17 @@ impl QosParams {
     /// Parses the rate-limit keys of `p` (other keys are the caller's business). I/O limits
     /// must be multiples of 1000 (SPDK's `SPDK_BDEV_QOS_MIN_IOS_PER_SEC`).
     pub fn parse(p: &HashMap<String, String>) -> Result<Self> {
+        Self::parse_keys(p, params::QOS)
+    }
+
+    /// Parses the per-pod rate-limit keys of `p` ([`params::POD_QOS`]).
+    pub fn parse_pod(p: &HashMap<String, String>) -> Result<Self> {
+        Self::parse_keys(p, params::POD_QOS)
+    }
+
+    /// Parses the keys `keys` (I/Os, MiB read+written, MiB read, MiB written) of `p`.
+    fn parse_keys(p: &HashMap<String, String>, keys: [&str; 4]) -> Result<Self> {
+        let [k_ios, k_rw, k_r, k_w] = keys;
         let get = |k: &str| -> Result<Option<u64>> {
             match p.get(k) {
                 None => Ok(None),
@@ -75,23 +106,22 @@ impl QosParams {
             }
         };
         let q = QosParams {
-            rw_ios_per_sec: get(params::RW_IOS_PER_SEC)?,
-            rw_mbytes_per_sec: get(params::RW_MBYTES_PER_SEC)?,
-            r_mbytes_per_sec: get(params::R_MBYTES_PER_SEC)?,
-            w_mbytes_per_sec: get(params::W_MBYTES_PER_SEC)?,
+            rw_ios_per_sec: get(k_ios)?,
+            rw_mbytes_per_sec: get(k_rw)?,
+            r_mbytes_per_sec: get(k_r)?,
+            w_mbytes_per_sec: get(k_w)?,
         };
         if let Some(n) = q.rw_ios_per_sec {
             if n % 1000 != 0 {
                 return Err(CsiError::InvalidArgument(format!(
-                    "parameter {}={n} must be a multiple of 1000 (0 = unlimited)",
-                    params::RW_IOS_PER_SEC
+                    "parameter {k_ios}={n} must be a multiple of 1000 (0 = unlimited)"
                 )));
             }
         }
         for (k, v) in [
-            (params::RW_MBYTES_PER_SEC, q.rw_mbytes_per_sec),
-            (params::R_MBYTES_PER_SEC, q.r_mbytes_per_sec),
-            (params::W_MBYTES_PER_SEC, q.w_mbytes_per_sec),
+            (k_rw, q.rw_mbytes_per_sec),
+            (k_r, q.r_mbytes_per_sec),
+            (k_w, q.w_mbytes_per_sec),
         ] {
             if v.is_some_and(|v| v > u64::MAX >> 20) {
                 return Err(CsiError::InvalidArgument(format!(
@@ -115,6 +145,49 @@ impl QosParams {
     /// Whether any limit is given.
     pub fn any(&self) -> bool {
         *self != Self::default()
+    }
+
+    /// Whether any limit is given and not 0 (unlimited).
+    pub fn limits_anything(&self) -> bool {
+        self.fields().iter().any(|v| v.is_some_and(|v| v != 0))
+    }
+
+    fn fields(&self) -> [Option<u64>; 4] {
+        [
+            self.rw_ios_per_sec,
+            self.rw_mbytes_per_sec,
+            self.r_mbytes_per_sec,
+            self.w_mbytes_per_sec,
+        ]
+    }
+
+    /// The strictest of several limits, field by field (a limit that is not given, or 0,
+    /// limits nothing); every field is given in the result, 0 where none limits it. The order
+    /// of `all` does not matter.
+    pub fn strictest<'a>(all: impl IntoIterator<Item = &'a QosParams>) -> QosParams {
+        let mut out = [0u64; 4];
+        for q in all {
+            for (o, v) in out.iter_mut().zip(q.fields()) {
+                if let Some(v) = v.filter(|v| *v != 0) {
+                    *o = if *o == 0 { v } else { (*o).min(v) };
+                }
+            }
+        }
+        QosParams {
+            rw_ios_per_sec: Some(out[0]),
+            rw_mbytes_per_sec: Some(out[1]),
+            r_mbytes_per_sec: Some(out[2]),
+            w_mbytes_per_sec: Some(out[3]),
+        }
+    }
+
+    /// These limits as `(key, value)` pairs of the given keys ([`params::QOS`] or
+    /// [`params::POD_QOS`]), for a volume context.
+    pub fn to_context(&self, keys: [&'static str; 4]) -> Vec<(&'static str, String)> {
+        keys.into_iter()
+            .zip(self.fields())
+            .filter_map(|(k, v)| v.map(|v| (k, v.to_string())))
+            .collect()
     }
 
     /// The `bdev_set_qos_limit` call for bdev `name`.
@@ -148,6 +221,8 @@ pub struct ClassParams {
     pub raw_block: bool,
     /// Rate limits.
     pub qos: QosParams,
+    /// Per-pod rate limits (a group of every volume with pod limits one pod mounts).
+    pub pod_qos: QosParams,
 }
 
 fn parse_bool(k: &str, v: &str) -> Result<bool> {
@@ -203,7 +278,8 @@ impl ClassParams {
                 params::RAW_BLOCK,
             ]
             .contains(&k.as_str())
-                || params::QOS.contains(&k.as_str());
+                || params::QOS.contains(&k.as_str())
+                || params::POD_QOS.contains(&k.as_str());
             if !known && !k.starts_with("csi.storage.k8s.io/") {
                 return Err(CsiError::InvalidArgument(format!(
                     "unknown parameter {k:?}"
@@ -272,6 +348,7 @@ impl ClassParams {
             }
         }
         let qos = QosParams::parse(p)?;
+        let pod_qos = QosParams::parse_pod(p)?;
         Ok(Self {
             lvs: lvs.to_owned(),
             thin,
@@ -281,6 +358,7 @@ impl ClassParams {
             kata_runtime,
             raw_block,
             qos,
+            pod_qos,
         })
     }
 }

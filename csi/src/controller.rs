@@ -148,6 +148,10 @@ impl ControllerService {
             if p.raw_block {
                 ctx.insert(params::RAW_BLOCK.into(), "true".into());
             }
+            // Per-pod limits are applied on publish, when the pod is known.
+            for (k, v) in p.pod_qos.to_context(params::POD_QOS) {
+                ctx.insert(k.into(), v);
+            }
         }
         csi::Volume {
             capacity_bytes: bdev_size(b) as i64,

@@ -120,6 +120,8 @@ pub struct Driver {
     pub store: Store,
     /// Serialises device-node minor allocation.
     pub minors: tokio::sync::Mutex<()>,
+    /// Serialises changes of per-pod QoS groups (volumes of one pod publish concurrently).
+    pub pod_groups: tokio::sync::Mutex<()>,
 }
 
 impl Driver {
@@ -159,6 +161,7 @@ impl Driver {
             state,
             store,
             minors: tokio::sync::Mutex::new(()),
+            pod_groups: tokio::sync::Mutex::new(()),
         });
         d.refresh_published_gauge();
         Ok(d)

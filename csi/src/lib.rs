@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod mounts;
 pub mod node;
 pub mod node_config;
+pub mod pod_qos;
 pub mod reconcile;
 pub mod safe_path;
 pub mod state;

@@ -332,6 +332,7 @@ impl NodeService {
             }
         }
         let cpumask = r.volume_context.get(params::CPUMASK).cloned();
+        let pod = crate::pod_qos::group_for(&r.volume_context)?;
         // kubelet's map file, checked before anything is changed: a Block target path that does
         // not follow kubelet's layout is refused while the lock is on.
         let kubelet_map = match (&fstype, self.d.cfg.kubelet_block_lock) {
@@ -351,6 +352,8 @@ impl NodeService {
             kata_runtime: runtime,
             raw_block: raw_block && fstype.is_some(),
             mount_options: Vec::new(),
+            pod_group: pod.as_ref().map(|(g, _)| g.clone()),
+            pod_qos: pod.as_ref().map(|(_, q)| *q),
         };
         if fstype.is_some() {
             rec.mount_options = mount_flags;
@@ -362,6 +365,15 @@ impl NodeService {
         // clean up.
         self.d.state.published.insert(&id.alias(), rec.clone())?;
         ensure_controller(&self.d, &id, &b, &ctrlr, readonly, cpumask.as_deref()).await?;
+        // A volume published again for another pod (after a crash, say) leaves the old group.
+        if let Some(old) = prev.as_ref().and_then(|p| p.pod_group.clone()) {
+            if rec.pod_group.as_ref() != Some(&old) {
+                crate::pod_qos::sync(&self.d, &old, None).await?;
+            }
+        }
+        if let Some(g) = &rec.pod_group {
+            crate::pod_qos::sync(&self.d, g, None).await?;
+        }
         let minor = if rec.needs_device_node() {
             let minor = {
                 let _m = self.d.minors.lock().await;
@@ -505,6 +517,10 @@ impl NodeService {
         not_followed(remove_target(&self.d.cfg.kubelet_dir, &target))?;
         kata::remove_mount_info(&self.d.cfg.direct_volumes_dir, &target)?;
         if let Some(p) = rec {
+            // Out of the pod's group first, while the record still says which one.
+            if let Some(g) = &p.pod_group {
+                crate::pod_qos::sync(&self.d, g, Some(&id.alias())).await?;
+            }
             delete_controller(&self.d, &p.ctrlr).await?;
             self.d.store.remove_device_node(&p.ctrlr)?;
             self.d.state.published.remove(&id.alias())?;

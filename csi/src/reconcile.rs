@@ -40,6 +40,8 @@ pub struct Report {
     pub mount_infos: Vec<std::path::PathBuf>,
     /// Publications that could not be restored this pass (logged; retried next pass).
     pub failed: Vec<String>,
+    /// Per-pod QoS groups made to match the records again (or deleted).
+    pub pod_groups: Vec<String>,
 }
 
 /// Controller names referenced by `mountInfo.json` files in the direct-volumes directory.
@@ -122,6 +124,20 @@ pub async fn reconcile(d: &Arc<Driver>) -> Result<Report> {
                 "released an orphaned kubelet lock");
             d.metrics.reconciled("orphan_kubelet_lock_released");
             rep.orphan_locks.push(map);
+        }
+    }
+
+    match crate::pod_qos::reconcile(d).await {
+        Ok(groups) => {
+            for g in groups {
+                tracing::info!(group = %g, "pod QoS group reconciled");
+                d.metrics.reconciled("pod_group_synced");
+                rep.pod_groups.push(g);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot reconcile pod QoS groups");
+            d.metrics.reconciled("pod_group_sync_failed");
         }
     }
 

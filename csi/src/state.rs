@@ -45,6 +45,14 @@ pub struct Publication {
     /// Filesystem volumes: the mount options written into `mountInfo.json`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mount_options: Vec<String>,
+    /// The target's QoS group of the pod this volume is published to (`pod-<uid>`), when the
+    /// volume's class sets per-pod limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_group: Option<String>,
+    /// The per-pod limits this volume's class asks for; the group gets the strictest of its
+    /// members'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_qos: Option<crate::class::QosParams>,
 }
 
 impl Publication {
@@ -198,6 +206,11 @@ mod tests {
             kata_runtime: None,
             raw_block: false,
             mount_options: vec![],
+            pod_group: Some("pod-u".into()),
+            pod_qos: Some(crate::class::QosParams {
+                rw_ios_per_sec: Some(2000),
+                ..Default::default()
+            }),
         };
         s.published.insert("lvs/v", p.clone()).unwrap();
         s.published.remove("nope").unwrap();

@@ -119,3 +119,166 @@ async fn limits_from_the_class_and_changed_with_modify_volume() {
     let l = limits(&e, &v.volume_id).await;
     assert_eq!(l.rw_ios_per_sec, 3000, "a refused change changes nothing");
 }
+
+async fn groups(e: &Env) -> Vec<katablk_rpc::methods::QosGroupInfo> {
+    e.driver
+        .rpc
+        .call_method::<katablk_rpc::methods::KatablkGetQosGroups>(
+            &katablk_rpc::methods::NoParams {},
+        )
+        .await
+        .unwrap()
+}
+
+async fn pod_volume(e: &mut Env, name: &str, kv: &[(&str, &str)]) -> csi::Volume {
+    let mut r = create_req(name, 64 << 20);
+    for (k, v) in kv {
+        r.parameters.insert((*k).into(), (*v).into());
+    }
+    e.controller
+        .create_volume(r)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+}
+
+fn pod_publish(
+    e: &Env,
+    v: &csi::Volume,
+    pod: &str,
+    uid: Option<&str>,
+) -> csi::NodePublishVolumeRequest {
+    let tp = e.target_path(&format!("{pod}-{}", v.volume_id.replace('/', "-")));
+    std::fs::create_dir_all(tp.parent().unwrap()).unwrap();
+    let mut pr = publish_req(&v.volume_id, &tp, block_cap(), false);
+    pr.volume_context = v.volume_context.clone();
+    // What kubelet adds with podInfoOnMount: true (pkg/volume/csi/csi_mounter.go).
+    pr.volume_context
+        .insert("csi.storage.k8s.io/pod.name".into(), pod.into());
+    pr.volume_context
+        .insert("csi.storage.k8s.io/pod.namespace".into(), "default".into());
+    if let Some(u) = uid {
+        pr.volume_context
+            .insert("csi.storage.k8s.io/pod.uid".into(), u.into());
+    }
+    pr
+}
+
+/// Every volume of one pod whose class sets `pod*` limits shares one target QoS group,
+/// `pod-<uid>`, limited by the strictest of them; it follows publish, unpublish and a target
+/// that lost it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_of_one_pod_share_a_group() {
+    let mut e = Env::start().await;
+    let uid = "7F3C2A10-0000-4000-8000-00000000ABCD";
+    let group = format!("pod-{}", uid.to_ascii_lowercase());
+    let a = pod_volume(
+        &mut e,
+        "pvc-pod-a",
+        &[("podRwIosPerSec", "5000"), ("podWMBytesPerSec", "40")],
+    )
+    .await;
+    let b = pod_volume(&mut e, "pvc-pod-b", &[("podRwIosPerSec", "3000")]).await;
+    let c = pod_volume(&mut e, "pvc-pod-c", &[("rwIosPerSec", "1000")]).await;
+
+    let pa = pod_publish(&e, &a, "web", Some(uid));
+    e.node.node_publish_volume(pa.clone()).await.unwrap();
+    let g = groups(&e).await;
+    assert_eq!(g.len(), 1, "{g:?}");
+    assert_eq!(g[0].name, group);
+    assert_eq!(g[0].bdevs.len(), 1);
+    assert_eq!(
+        (
+            g[0].assigned_rate_limits.rw_ios_per_sec,
+            g[0].assigned_rate_limits.w_mbytes_per_sec
+        ),
+        (5000, 40)
+    );
+    // A retry of the same publish changes nothing.
+    e.node.node_publish_volume(pa.clone()).await.unwrap();
+    assert_eq!(groups(&e).await[0].bdevs.len(), 1);
+
+    let pb = pod_publish(&e, &b, "web", Some(uid));
+    e.node.node_publish_volume(pb.clone()).await.unwrap();
+    let pc = pod_publish(&e, &c, "web", Some(uid));
+    e.node.node_publish_volume(pc.clone()).await.unwrap();
+    let g = groups(&e).await;
+    assert_eq!(g.len(), 1, "{g:?}");
+    assert_eq!(
+        g[0].bdevs.len(),
+        2,
+        "a volume without pod limits is no member"
+    );
+    let l = &g[0].assigned_rate_limits;
+    assert_eq!(
+        (l.rw_ios_per_sec, l.w_mbytes_per_sec),
+        (3000, 40),
+        "strictest wins"
+    );
+    // The volumes' own limits are untouched by the group.
+    assert_eq!(limits(&e, &a.volume_id).await.rw_ios_per_sec, 0);
+    assert_eq!(limits(&e, &c.volume_id).await.rw_ios_per_sec, 1000);
+
+    // Per-pod limits without the pod's UID (CSIDriver without podInfoOnMount) are refused
+    // before anything is exported; a UID that is no name is refused too.
+    let d = pod_volume(&mut e, "pvc-pod-d", &[("podRMBytesPerSec", "10")]).await;
+    let st = e
+        .node
+        .node_publish_volume(pod_publish(&e, &d, "other", None))
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::FailedPrecondition);
+    assert!(st.message().contains("podInfoOnMount"), "{}", st.message());
+    assert_eq!(
+        code(
+            e.node
+                .node_publish_volume(pod_publish(&e, &d, "other", Some("../../x")))
+                .await
+        ),
+        Code::InvalidArgument
+    );
+    assert!(!e
+        .store()
+        .join("block/sockets")
+        .join(ctrlr(&d.volume_id))
+        .exists());
+
+    // A target that lost the group (restart without its state) gets it back on reconcile.
+    e.driver
+        .rpc
+        .call_method::<katablk_rpc::methods::KatablkDeleteQosGroup>(
+            &katablk_rpc::methods::KatablkDeleteQosGroupParams {
+                name: group.clone(),
+            },
+        )
+        .await
+        .unwrap();
+    let rep = katablk_csi::reconcile::reconcile(&e.driver).await.unwrap();
+    assert_eq!(rep.pod_groups, vec![group.clone()]);
+    let g = groups(&e).await;
+    assert_eq!((g.len(), g[0].bdevs.len()), (1, 2), "{g:?}");
+    assert_eq!(g[0].assigned_rate_limits.rw_ios_per_sec, 3000);
+    // Nothing to do the second time.
+    let rep = katablk_csi::reconcile::reconcile(&e.driver).await.unwrap();
+    assert!(rep.pod_groups.is_empty(), "{:?}", rep.pod_groups);
+
+    // Leaving: the group shrinks and its limits relax, then goes with the last member.
+    let tb = std::path::PathBuf::from(&pb.target_path);
+    e.node
+        .node_unpublish_volume(unpublish_req(&b.volume_id, &tb))
+        .await
+        .unwrap();
+    let g = groups(&e).await;
+    assert_eq!((g.len(), g[0].bdevs.len()), (1, 1), "{g:?}");
+    assert_eq!(g[0].assigned_rate_limits.rw_ios_per_sec, 5000);
+    let ta = std::path::PathBuf::from(&pa.target_path);
+    for _ in 0..2 {
+        e.node
+            .node_unpublish_volume(unpublish_req(&a.volume_id, &ta))
+            .await
+            .unwrap();
+    }
+    assert!(groups(&e).await.is_empty());
+}
