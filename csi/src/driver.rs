@@ -191,6 +191,53 @@ impl Driver {
         self.metrics.set_published(by, locks);
     }
 
+    /// Reads the target's rate-limit counters of every volume published on this node into the
+    /// metrics (one `bdev_get_iostat` per volume, each bounded by two seconds; a volume the
+    /// target does not answer for, or answers for without katablk's counters, is left out).
+    pub async fn refresh_volume_qos(&self) {
+        let mut v = std::collections::BTreeMap::new();
+        for id in self.state.published.all().keys() {
+            let p = katablk_rpc::methods::BdevGetIostatParams {
+                name: Some(id.clone()),
+                ..Default::default()
+            };
+            let call = self
+                .rpc
+                .call_method::<katablk_rpc::methods::BdevGetIostat>(&p);
+            let r = match tokio::time::timeout(Duration::from_secs(2), call).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    tracing::debug!(volume = %id, error = %e, "bdev_get_iostat failed");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(volume = %id, "bdev_get_iostat timed out");
+                    continue;
+                }
+            };
+            let Some(b) = r.bdevs.first() else { continue };
+            if let (Some(n), Some(ns)) =
+                (b.katablk_qos_throttled_requests, b.katablk_qos_throttled_ns)
+            {
+                v.insert(
+                    id.clone(),
+                    crate::metrics::VolumeQos {
+                        throttled_requests: n,
+                        throttled_ns: ns,
+                    },
+                );
+            }
+        }
+        self.metrics.set_volume_qos(v);
+    }
+
+    /// The metrics as a scrape returns them: per-volume counters refreshed from the target
+    /// first.
+    pub async fn render_metrics(&self) -> String {
+        self.refresh_volume_qos().await;
+        self.metrics.render()
+    }
+
     /// Logs a finished call, records metrics and converts the result.
     pub fn finish<T>(
         &self,
@@ -307,8 +354,13 @@ pub async fn serve(
         mode = ?driver.cfg.mode, "CSI endpoint listening");
     if let Some(addr) = metrics_addr {
         let m = driver.metrics.clone();
+        let d = driver.clone();
+        let refresh = move || {
+            let d = d.clone();
+            async move { d.refresh_volume_qos().await }
+        };
         tokio::spawn(async move {
-            if let Err(e) = m.serve(addr).await {
+            if let Err(e) = m.serve(addr, refresh).await {
                 tracing::error!(%addr, error = %e, "metrics endpoint failed");
             }
         });

@@ -22,6 +22,18 @@ struct Inner {
     published: BTreeMap<&'static str, u64>,
     /// Block publications that prepared kubelet's loop-device lock.
     kubelet_locks: u64,
+    /// Volume id → rate-limit counters the target reported at the last scrape.
+    volume_qos: BTreeMap<String, VolumeQos>,
+}
+
+/// Rate-limit counters of one published volume, as its target reports them
+/// (`bdev_get_iostat`'s `katablk_qos_throttled_*`; SPDK's target has no such counters).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct VolumeQos {
+    /// Requests that waited for the volume's (or its group's) limits.
+    pub throttled_requests: u64,
+    /// Time spent waiting, in nanoseconds summed over the volume's queues.
+    pub throttled_ns: u64,
 }
 
 /// Counters shared by all services.
@@ -62,6 +74,11 @@ impl Metrics {
             i.published = by_handoff;
             i.kubelet_locks = kubelet_locks;
         });
+    }
+
+    /// Replaces the per-volume rate-limit counters (see [`VolumeQos`]).
+    pub fn set_volume_qos(&self, v: BTreeMap<String, VolumeQos>) {
+        self.with(|i| i.volume_qos = v);
     }
 
     /// The count of calls of `method` that ended with `code`.
@@ -142,20 +159,54 @@ impl Metrics {
             );
             s.push_str("# TYPE katablk_csi_kubelet_locks gauge\n");
             let _ = writeln!(s, "katablk_csi_kubelet_locks {}", i.kubelet_locks);
+            s.push_str(
+                "# HELP katablk_csi_volume_qos_throttled_seconds_total Time a published volume's \
+                 requests waited for its rate limits.\n",
+            );
+            s.push_str("# TYPE katablk_csi_volume_qos_throttled_seconds_total counter\n");
+            for (v, q) in &i.volume_qos {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_volume_qos_throttled_seconds_total{{volume_id=\"{}\"}} {}",
+                    label(v),
+                    q.throttled_ns as f64 / 1e9
+                );
+            }
+            s.push_str(
+                "# HELP katablk_csi_volume_qos_throttled_requests_total Requests of a published \
+                 volume that waited for its rate limits.\n",
+            );
+            s.push_str("# TYPE katablk_csi_volume_qos_throttled_requests_total counter\n");
+            for (v, q) in &i.volume_qos {
+                let _ = writeln!(
+                    s,
+                    "katablk_csi_volume_qos_throttled_requests_total{{volume_id=\"{}\"}} {}",
+                    label(v),
+                    q.throttled_requests
+                );
+            }
             s
         })
     }
 
-    /// Serves the metrics over HTTP/1.0 on `addr` until the task is dropped.
-    pub async fn serve(self, addr: SocketAddr) -> std::io::Result<()> {
+    /// Serves the metrics over HTTP/1.0 on `addr` until the task is dropped; `refresh` runs
+    /// before each scrape is rendered (it updates what is read from elsewhere).
+    pub async fn serve<F, Fut>(self, addr: SocketAddr, refresh: F) -> std::io::Result<()>
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let l = TcpListener::bind(addr).await?;
         tracing::info!(%addr, "metrics endpoint listening");
+        let refresh = Arc::new(refresh);
         loop {
             let (mut sock, _) = l.accept().await?;
             let m = self.clone();
+            let refresh = refresh.clone();
             tokio::spawn(async move {
                 let mut buf = [0u8; 1024];
                 let _ = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await;
+                refresh().await;
                 let body = m.render();
                 let resp = format!(
                     "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
@@ -165,6 +216,13 @@ impl Metrics {
             });
         }
     }
+}
+
+/// Escapes a Prometheus label value.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -186,5 +244,22 @@ mod tests {
         assert!(t.contains("katablk_csi_operation_errors_total{method=\"CreateVolume\"} 1"));
         assert!(t.contains("katablk_csi_reconcile_actions_total{action=\"controller_restored\"} 1"));
         assert_eq!(m.count("CreateVolume", tonic::Code::NotFound), 1);
+        m.set_volume_qos(
+            [(
+                "lvs/a\"b".to_owned(),
+                VolumeQos {
+                    throttled_requests: 7,
+                    throttled_ns: 1_500_000_000,
+                },
+            )]
+            .into(),
+        );
+        let t = m.render();
+        assert!(t.contains(
+            "katablk_csi_volume_qos_throttled_seconds_total{volume_id=\"lvs/a\\\"b\"} 1.5"
+        ));
+        assert!(t.contains(
+            "katablk_csi_volume_qos_throttled_requests_total{volume_id=\"lvs/a\\\"b\"} 7"
+        ));
     }
 }

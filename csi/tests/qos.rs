@@ -282,3 +282,67 @@ async fn volumes_of_one_pod_share_a_group() {
     }
     assert!(groups(&e).await.is_empty());
 }
+
+/// The metrics endpoint reports, per published volume, the time its requests waited for its
+/// rate limits and how many waited, read from the target at each scrape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_report_time_spent_throttled_per_volume() {
+    let mut e = Env::start().await;
+    let limited = pod_volume(&mut e, "pvc-throttled", &[("wMBytesPerSec", "1")]).await;
+    let free = pod_volume(&mut e, "pvc-free", &[]).await;
+    let mut socks = Vec::new();
+    for v in [&limited, &free] {
+        let tp = e.target_path(&v.volume_id.replace('/', "-"));
+        std::fs::create_dir_all(tp.parent().unwrap()).unwrap();
+        let mut pr = publish_req(&v.volume_id, &tp, block_cap(), false);
+        pr.volume_context = v.volume_context.clone();
+        e.node.node_publish_volume(pr).await.unwrap();
+        socks.push(e.store().join("block/sockets").join(ctrlr(&v.volume_id)));
+    }
+    let m = e.driver.render_metrics().await;
+    for v in [&limited, &free] {
+        assert!(
+            m.contains(&format!(
+                "katablk_csi_volume_qos_throttled_requests_total{{volume_id=\"{}\"}} 0",
+                v.volume_id
+            )),
+            "{m}"
+        );
+    }
+    // 3 MiB at 1 MB/s: the limited volume waits about two seconds; the free one not at all.
+    for s in socks.clone() {
+        blk(move || {
+            let mut c = Blk::connect(&s, false).unwrap();
+            for i in 0..3u64 {
+                assert_eq!(c.write(i << 20, &pattern(i as u8, 1 << 20)), 0);
+            }
+        })
+        .await;
+    }
+    let m = e.driver.render_metrics().await;
+    let value = |name: &str, vid: &str| -> f64 {
+        let key = format!("{name}{{volume_id=\"{vid}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap_or_else(|| panic!("{key} missing in\n{m}"))
+            .parse()
+            .unwrap()
+    };
+    let secs = "katablk_csi_volume_qos_throttled_seconds_total";
+    let reqs = "katablk_csi_volume_qos_throttled_requests_total";
+    assert!(value(reqs, &limited.volume_id) >= 1.0, "{m}");
+    assert!(value(secs, &limited.volume_id) >= 1.0, "{m}");
+    assert_eq!(value(reqs, &free.volume_id), 0.0, "{m}");
+    assert_eq!(value(secs, &free.volume_id), 0.0, "{m}");
+    // An unpublished volume is no longer reported.
+    let tp = e.target_path(&free.volume_id.replace('/', "-"));
+    e.node
+        .node_unpublish_volume(unpublish_req(&free.volume_id, &tp))
+        .await
+        .unwrap();
+    let m = e.driver.render_metrics().await;
+    assert!(
+        !m.contains(&format!("volume_id=\"{}\"", free.volume_id)),
+        "{m}"
+    );
+}
