@@ -346,3 +346,129 @@ async fn metrics_report_time_spent_throttled_per_volume() {
         "{m}"
     );
 }
+
+/// csi-sanity's `ModifyVolume [Controller Server]` specs, step by step as
+/// kubernetes-csi/csi-test `pkg/sanity/controller.go` (v5.5.0) performs them: with the
+/// VolumeAttributesClass parameters it is configured with (`-csi.testvolumemutableparameters`,
+/// here `rwIosPerSec: "2000"`) and without any (its default, an empty map).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn csi_sanity_modify_volume_steps() {
+    let mut e = Env::start().await;
+    for (round, vac) in [("set", vec![("rwIosPerSec", "2000")]), ("empty", vec![])] {
+        // MakeModifyVolumeReq(sc, volID): the configured mutable parameters, no secrets.
+        let req = |vid: &str| modify(vid, &vac);
+        let fake = |vid: &str| modify(vid, &[("XXX_FakeKey", "XXX_FakeValue")]);
+        let mut created = Vec::new();
+
+        // "should fail if no volume id is given"
+        assert_eq!(
+            code(e.controller.controller_modify_volume(req("")).await),
+            Code::InvalidArgument,
+            "{round}"
+        );
+        // "should fail if volume does not exist"
+        assert_eq!(
+            code(
+                e.controller
+                    .controller_modify_volume(req("non-existing-volume-id"))
+                    .await
+            ),
+            Code::NotFound,
+            "{round}"
+        );
+        // "should fail if specified mutable parameters are not supported by the volume"
+        let v = e
+            .controller
+            .create_volume(create_req(
+                &format!("sanity-modify-volume-unsupported-{round}"),
+                64 << 20,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        created.push(v.volume_id.clone());
+        assert_eq!(
+            code(
+                e.controller
+                    .controller_modify_volume(fake(&v.volume_id))
+                    .await
+            ),
+            Code::InvalidArgument,
+            "{round}"
+        );
+        // "should modify a volume created without a volume attribute class"
+        let v = e
+            .controller
+            .create_volume(create_req(
+                &format!("sanity-modify-volume-{round}"),
+                64 << 20,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        created.push(v.volume_id.clone());
+        e.controller
+            .controller_modify_volume(req(&v.volume_id))
+            .await
+            .unwrap();
+        let want = if vac.is_empty() { 0 } else { 2000 };
+        assert_eq!(
+            limits(&e, &v.volume_id).await.rw_ios_per_sec,
+            want,
+            "{round}"
+        );
+        // "should modify a volume created with a volume attribute class", then "should fail to
+        // modify a volume created with a volume attribute class if new mutable parameters are
+        // not supported by volume"
+        for (name, ok) in [("with-vac", true), ("with-vac-not-supported", false)] {
+            let mut r = create_req(&format!("sanity-modify-volume-{name}-{round}"), 64 << 20);
+            r.mutable_parameters = vac
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect();
+            let v = e
+                .controller
+                .create_volume(r)
+                .await
+                .unwrap()
+                .into_inner()
+                .volume
+                .unwrap();
+            created.push(v.volume_id.clone());
+            let got = if ok {
+                e.controller
+                    .controller_modify_volume(req(&v.volume_id))
+                    .await
+            } else {
+                e.controller
+                    .controller_modify_volume(fake(&v.volume_id))
+                    .await
+            };
+            if ok {
+                got.unwrap();
+            } else {
+                assert_eq!(code(got), Code::InvalidArgument, "{round} {name}");
+            }
+            assert_eq!(
+                limits(&e, &v.volume_id).await.rw_ios_per_sec,
+                want,
+                "{round} {name}"
+            );
+        }
+        // r.Cleanup(): DeleteVolume of what the specs created.
+        assert_eq!(created.len(), 4);
+        for vid in created {
+            e.controller
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: vid,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+    }
+}
