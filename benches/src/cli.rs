@@ -82,6 +82,10 @@ pub struct BenchArgs {
     /// --server-pid, the server's idle CPU).
     #[arg(long, value_name = "S", value_parser = parse_duration)]
     pub idle_cpu: Option<Duration>,
+    /// Record the I/Os completed in every interval of this length over the measured window
+    /// (e.g. 100ms): a time series in the JSON (`timeline`), to see limits and changes act.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub interval: Option<Duration>,
     /// Do not draw the progress bar (it is never drawn when stderr is not a terminal).
     #[arg(long)]
     pub no_progress: bool,
@@ -141,6 +145,7 @@ impl BenchArgs {
             progress: !self.no_progress && !self.quiet,
             idle: self.idle_cpu,
             segment_size: self.segment_size,
+            interval: self.interval,
         }
     }
 }

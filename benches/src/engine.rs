@@ -3,7 +3,10 @@
 
 use crate::cpu::{CpuSampler, CpuUsage};
 use crate::pattern::{check_pattern, fill_pattern, mix64, OffsetGen, Rng};
-use crate::report::{BenchReport, DeviceInfo, JobReport, Params, ReportKind, REPORT_VERSION};
+use crate::report::{
+    BenchReport, DeviceInfo, JobReport, Params, ReportKind, Timeline, TimelineSample,
+    REPORT_VERSION,
+};
 use crate::stats::{new_histogram, IoStats};
 use anyhow::{bail, Context, Result};
 use blkio::{Blkio, Blkioq, Completion, Errno, MemoryRegion, ReqFlags};
@@ -124,6 +127,8 @@ pub struct RunConfig {
     /// Split requests into segments of at most this many bytes (also done when the device's
     /// max-segment-len requires it).
     pub segment_size: Option<u64>,
+    /// Record completions every this long over the measured window (`timeline`).
+    pub interval: Option<Duration>,
 }
 
 /// How long a job waits for any completion before declaring the server stuck.
@@ -776,6 +781,10 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
             .map(|c| c.0.load(Ordering::Relaxed))
             .sum()
     };
+    let mut timeline = TimelineRecorder::new(cfg.interval, cfg.bs);
+    if ctl.phase.load(Ordering::Relaxed) == PHASE_MEASURE {
+        timeline.start(measure_start, total_completed());
+    }
     loop {
         let now = Instant::now();
         if ctl.abort.load(Ordering::Relaxed) {
@@ -788,11 +797,14 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
                 .map(|p| CpuSampler::start(Some(p)))
                 .transpose()?;
             measure_start = Instant::now();
+            timeline.start(measure_start, total_completed());
             ctl.phase.store(PHASE_MEASURE, Ordering::Relaxed);
         }
         if now >= end {
+            timeline.sample(now, total_completed(), true);
             break;
         }
+        timeline.sample(now, total_completed(), false);
         if now.duration_since(last.0) >= Duration::from_millis(500) {
             let done = total_completed();
             let rate = (done - last.1) as f64 / now.duration_since(last.0).as_secs_f64();
@@ -801,7 +813,10 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
             last = (now, done);
         }
         bar.set_position(now.duration_since(started).as_millis() as u64);
-        std::thread::sleep(Duration::from_millis(50).min(end.saturating_duration_since(now)));
+        let nap = Duration::from_millis(50)
+            .min(end.saturating_duration_since(now))
+            .min(timeline.until_next(now));
+        std::thread::sleep(nap);
     }
     ctl.phase.store(PHASE_STOP, Ordering::Relaxed);
     let measure_end = Instant::now();
@@ -831,7 +846,90 @@ pub fn run(cfg: &RunConfig) -> Result<BenchReport> {
     drop(dev);
 
     let elapsed = measure_end.duration_since(measure_start);
-    build_report(cfg, info, size, elapsed, &outputs, client_cpu, server_cpu)
+    let mut report = build_report(cfg, info, size, elapsed, &outputs, client_cpu, server_cpu)?;
+    report.timeline = timeline.finish();
+    Ok(report)
+}
+
+/// Samples the jobs' completion counters at fixed intervals of the measured window.
+struct TimelineRecorder {
+    interval: Option<Duration>,
+    bs: u64,
+    /// Start of the window (monotonic and wall clock) and the counter then.
+    start: Option<(Instant, f64)>,
+    /// Previous sample: when, and the counter.
+    prev: (Instant, u64),
+    next: Instant,
+    samples: Vec<TimelineSample>,
+}
+
+impl TimelineRecorder {
+    fn new(interval: Option<Duration>, bs: u64) -> Self {
+        let now = Instant::now();
+        TimelineRecorder {
+            interval: interval.filter(|i| !i.is_zero()),
+            bs,
+            start: None,
+            prev: (now, 0),
+            next: now,
+            samples: Vec::new(),
+        }
+    }
+
+    fn start(&mut self, at: Instant, completed: u64) {
+        let Some(interval) = self.interval else {
+            return;
+        };
+        let unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.start = Some((at, unix));
+        self.prev = (at, completed);
+        self.next = at + interval;
+    }
+
+    /// Records a sample when an interval has ended (or, with `last`, whatever is left).
+    fn sample(&mut self, now: Instant, completed: u64, last: bool) {
+        let (Some(interval), Some((start, _))) = (self.interval, self.start) else {
+            return;
+        };
+        if now < self.next && !last {
+            return;
+        }
+        let len = now.duration_since(self.prev.0).as_secs_f64();
+        if len <= 0.0 || (last && len < interval.as_secs_f64() / 10.0) {
+            return;
+        }
+        let ios = completed.saturating_sub(self.prev.1);
+        self.samples.push(TimelineSample {
+            t_s: now.duration_since(start).as_secs_f64(),
+            len_s: len,
+            ios,
+            iops: ios as f64 / len,
+            bytes_per_sec: (ios * self.bs) as f64 / len,
+        });
+        self.prev = (now, completed);
+        while self.next <= now {
+            self.next += interval;
+        }
+    }
+
+    /// How long the main loop may sleep before the next sample is due.
+    fn until_next(&self, now: Instant) -> Duration {
+        match (self.interval, self.start) {
+            (Some(_), Some(_)) => self.next.saturating_duration_since(now),
+            _ => Duration::MAX,
+        }
+    }
+
+    fn finish(self) -> Option<Timeline> {
+        let (interval, (_, unix)) = (self.interval?, self.start?);
+        Some(Timeline {
+            start_unix_s: unix,
+            interval_s: interval.as_secs_f64(),
+            samples: self.samples,
+        })
+    }
 }
 
 fn build_report(
@@ -889,6 +987,7 @@ fn build_report(
         total,
         client_cpu,
         server_cpu,
+        timeline: None,
     })
 }
 
@@ -949,6 +1048,7 @@ fn run_idle(cfg: &RunConfig, mut dev: Device, idle: Duration) -> Result<BenchRep
         total: JobReport::default(),
         client_cpu,
         server_cpu,
+        timeline: None,
     })
 }
 
@@ -969,6 +1069,31 @@ mod tests {
         assert_eq!(segs[0].iov_base as usize, base as usize);
         assert_eq!(segs[2].iov_base as usize, base as usize + 8192);
         assert_eq!(segments(base, 4096, 4096).len(), 1);
+    }
+
+    #[test]
+    fn timeline_samples_each_interval_and_the_rest() {
+        let ms = Duration::from_millis;
+        let mut t = TimelineRecorder::new(Some(ms(100)), 4096);
+        let t0 = Instant::now();
+        t.sample(t0, 0, false);
+        assert!(t.samples.is_empty(), "nothing before the window starts");
+        t.start(t0, 1_000);
+        t.sample(t0 + ms(50), 1_500, false);
+        assert!(t.samples.is_empty(), "the interval has not ended");
+        t.sample(t0 + ms(100), 2_000, false);
+        t.sample(t0 + ms(250), 3_500, false);
+        t.sample(t0 + ms(260), 3_600, true);
+        let tl = t.finish().unwrap();
+        let got: Vec<(u64, u64)> = tl
+            .samples
+            .iter()
+            .map(|s| ((s.t_s * 1000.0).round() as u64, s.ios))
+            .collect();
+        assert_eq!(got, [(100, 1_000), (250, 1_500), (260, 100)]);
+        assert!((tl.samples[0].iops - 10_000.0).abs() < 1e-6);
+        assert!((tl.samples[0].bytes_per_sec - 10_000.0 * 4096.0).abs() < 1e-3);
+        assert!(TimelineRecorder::new(None, 4096).finish().is_none());
     }
 
     #[test]

@@ -123,6 +123,36 @@ pub struct BenchReport {
     pub client_cpu: CpuUsage,
     /// CPU used by the server in the measured window (with `--server-pid`).
     pub server_cpu: Option<CpuUsage>,
+    /// Completions per interval over the measured window (with `--interval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
+}
+
+/// Completed I/Os over time: one sample per `--interval` of the measured window.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timeline {
+    /// Wall-clock start of the measured window, seconds since the Unix epoch (to line the
+    /// samples up with events outside the client, such as a limit changed over RPC).
+    pub start_unix_s: f64,
+    /// The interval asked for, in seconds (each sample records the time it really covers).
+    pub interval_s: f64,
+    /// The samples, in order.
+    pub samples: Vec<TimelineSample>,
+}
+
+/// Completions in one interval.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimelineSample {
+    /// End of the interval, seconds since the start of the measured window.
+    pub t_s: f64,
+    /// Length of the interval in seconds.
+    pub len_s: f64,
+    /// I/Os completed in it.
+    pub ios: u64,
+    /// I/Os per second over it.
+    pub iops: f64,
+    /// Bytes per second over it.
+    pub bytes_per_sec: f64,
 }
 
 impl BenchReport {
@@ -320,6 +350,7 @@ mod tests {
             jobs: vec![job.clone()],
             total: JobReport { job: None, ..job },
             client_cpu: CpuUsage::default(),
+            timeline: None,
             server_cpu: Some(CpuUsage {
                 pid: Some(99),
                 percent: 12.5,

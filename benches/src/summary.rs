@@ -792,6 +792,7 @@ mod tests {
                 percent: cpu,
                 ..CpuUsage::default()
             }),
+            timeline: None,
         }
     }
 
