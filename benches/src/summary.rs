@@ -540,6 +540,39 @@ pub fn read_run(dir: &Path) -> Result<Vec<BenchReport>> {
     }
 }
 
+/// One file of a run's raw data, `DIR/raw/NAME`, read from the directory while the run is fresh,
+/// else from its archive; `None` when neither has it.
+pub fn read_run_file(dir: &Path, name: &str) -> Result<Option<Vec<u8>>> {
+    let fresh = dir.join("raw").join(name);
+    if fresh.is_file() {
+        return std::fs::read(&fresh)
+            .map(Some)
+            .with_context(|| format!("reading {}", fresh.display()));
+    }
+    let archive = dir.join(RAW_ARCHIVE);
+    if !archive.is_file() {
+        return Ok(None);
+    }
+    let file =
+        std::fs::File::open(&archive).with_context(|| format!("opening {}", archive.display()))?;
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(file));
+    let want = format!("raw/{name}");
+    for entry in tar
+        .entries()
+        .with_context(|| format!("reading {}", archive.display()))?
+    {
+        let mut entry = entry.with_context(|| format!("reading {}", archive.display()))?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        if path.trim_start_matches("./") == want {
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut entry, &mut data)
+                .with_context(|| format!("reading {want} in {}", archive.display()))?;
+            return Ok(Some(data));
+        }
+    }
+    Ok(None)
+}
+
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     match v {
         Some(x) if x.is_finite() => format!("{x:.digits$}"),

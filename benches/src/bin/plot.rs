@@ -7,6 +7,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use katablk_bench::plotting::{load_font, plot_err, FONT};
 use katablk_bench::stats::format_rate;
 use katablk_bench::summary::Summary;
 use plotters::prelude::*;
@@ -26,37 +27,6 @@ struct Args {
     /// TrueType font for all text (default: DejaVu Sans from fonts-dejavu-core).
     #[arg(long, env = "KATABLK_BENCH_FONT")]
     font: Option<PathBuf>,
-}
-
-const FONT_CANDIDATES: [&str; 3] = [
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-];
-
-const FONT: &str = "sans-serif";
-
-fn load_font(explicit: Option<&Path>) -> Result<()> {
-    let path = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => match FONT_CANDIDATES.iter().map(PathBuf::from).find(|p| p.is_file()) {
-            Some(p) => p,
-            None => bail!(
-                "no font found (looked for {}); install one with 'apt-get install fonts-dejavu-core' \
-                 or pass --font FILE.ttf",
-                FONT_CANDIDATES.join(", ")
-            ),
-        },
-    };
-    let bytes = std::fs::read(&path).with_context(|| format!("reading font {}", path.display()))?;
-    // plotters keeps fonts for the life of the program.
-    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-    plotters::style::register_font(FONT, FontStyle::Normal, bytes)
-        .map_err(|_| anyhow::anyhow!("{} is not a usable TrueType/OpenType font", path.display()))
-}
-
-fn plot_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
-    anyhow::anyhow!("drawing chart: {e}")
 }
 
 fn server_color(idx: usize, name: &str) -> RGBColor {
