@@ -432,3 +432,91 @@ method!(
     /// `bdev_set_qos_limit` → `true`.
     BdevSetQosLimit = "bdev_set_qos_limit", BdevSetQosLimitParams => bool, idempotent: false
 );
+
+/// Typed calls of the bdev methods.
+mod calls {
+    use crate::client::RpcClient;
+    use crate::error::RpcError;
+    use crate::methods::*;
+
+    impl RpcClient {
+        /// `bdev_get_bdevs`: all bdevs, or the one named (`-19` if missing).
+        pub async fn bdev_get_bdevs(&self, name: Option<&str>) -> Result<Vec<BdevInfo>, RpcError> {
+            self.call_method::<BdevGetBdevs>(&BdevGetBdevsParams {
+                name: name.map(str::to_owned),
+                timeout: None,
+            })
+            .await
+        }
+
+        /// One bdev by name, alias or UUID; `Ok(None)` if it does not exist.
+        pub async fn bdev_get_bdev(&self, name: &str) -> Result<Option<BdevInfo>, RpcError> {
+            match self.bdev_get_bdevs(Some(name)).await {
+                Ok(v) => Ok(v.into_iter().next()),
+                Err(e) if e.is_not_found() => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+
+        /// `bdev_get_iostat`.
+        pub async fn bdev_get_iostat(
+            &self,
+            params: &BdevGetIostatParams,
+        ) -> Result<IostatResult, RpcError> {
+            self.call_method::<BdevGetIostat>(params).await
+        }
+
+        /// `bdev_wait_for_examine`.
+        pub async fn bdev_wait_for_examine(&self) -> Result<bool, RpcError> {
+            self.call_method::<BdevWaitForExamine>(&NoParams {}).await
+        }
+
+        /// `bdev_aio_create` → bdev name.
+        pub async fn bdev_aio_create(
+            &self,
+            params: &BdevAioCreateParams,
+        ) -> Result<String, RpcError> {
+            self.call_method::<BdevAioCreate>(params).await
+        }
+
+        /// `bdev_aio_delete`.
+        pub async fn bdev_aio_delete(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevAioDelete>(&BdevDeleteParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+
+        /// `bdev_malloc_create` → bdev name.
+        pub async fn bdev_malloc_create(
+            &self,
+            params: &BdevMallocCreateParams,
+        ) -> Result<String, RpcError> {
+            self.call_method::<BdevMallocCreate>(params).await
+        }
+
+        /// `bdev_malloc_delete`.
+        pub async fn bdev_malloc_delete(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevMallocDelete>(&BdevDeleteParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+
+        /// `bdev_null_create` → bdev name.
+        pub async fn bdev_null_create(
+            &self,
+            params: &BdevNullCreateParams,
+        ) -> Result<String, RpcError> {
+            self.call_method::<BdevNullCreate>(params).await
+        }
+
+        /// `bdev_null_delete`.
+        pub async fn bdev_null_delete(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevNullDelete>(&BdevDeleteParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+    }
+}

@@ -136,3 +136,132 @@ method!(
     /// `spdk_kill_instance` → `true` (the server may close the connection instead).
     SpdkKillInstance = "spdk_kill_instance", SpdkKillInstanceParams => bool, idempotent: false
 );
+
+/// Typed calls of the framework methods.
+mod calls {
+    use crate::client::RpcClient;
+    use crate::error::RpcError;
+    use crate::methods::*;
+
+    impl RpcClient {
+        /// `spdk_get_version`.
+        pub async fn spdk_get_version(&self) -> Result<VersionInfo, RpcError> {
+            self.call_method::<SpdkGetVersion>(&NoParams {}).await
+        }
+
+        /// `rpc_get_methods`.
+        pub async fn rpc_get_methods(
+            &self,
+            params: &RpcGetMethodsParams,
+        ) -> Result<Vec<String>, RpcError> {
+            self.call_method::<RpcGetMethods>(params).await
+        }
+
+        /// `framework_wait_init`.
+        pub async fn framework_wait_init(&self) -> Result<bool, RpcError> {
+            self.call_method::<FrameworkWaitInit>(&NoParams {}).await
+        }
+
+        /// `framework_start_init`.
+        pub async fn framework_start_init(&self) -> Result<bool, RpcError> {
+            self.call_method::<FrameworkStartInit>(&NoParams {}).await
+        }
+
+        /// `framework_get_subsystems`.
+        pub async fn framework_get_subsystems(&self) -> Result<Vec<SubsystemInfo>, RpcError> {
+            self.call_method::<FrameworkGetSubsystems>(&NoParams {})
+                .await
+        }
+
+        /// `framework_get_config` for one subsystem.
+        pub async fn framework_get_config(
+            &self,
+            name: &str,
+        ) -> Result<Option<Vec<ConfigEntry>>, RpcError> {
+            self.call_method::<FrameworkGetConfig>(&FrameworkGetConfigParams {
+                name: name.to_owned(),
+                with_batches: None,
+            })
+            .await
+        }
+
+        /// `save_config`, assembled client-side as SPDK's `rpc.py save_config` does:
+        /// `framework_get_subsystems`, then `framework_get_config` for each subsystem.
+        pub async fn save_config(&self) -> Result<Config, RpcError> {
+            let mut cfg = Config::default();
+            for s in self.framework_get_subsystems().await? {
+                let config = self.framework_get_config(&s.subsystem).await?;
+                cfg.subsystems.push(SubsystemConfig {
+                    subsystem: s.subsystem,
+                    config,
+                });
+            }
+            Ok(cfg)
+        }
+
+        /// `load_config`, as SPDK's `rpc.py load_config` does: check every method is known
+        /// (`rpc_get_methods`), then replay the calls in order, in rounds, calling each one once
+        /// it is allowed in the current state (`rpc_get_methods {"current": true}`) and
+        /// `framework_start_init` when the server offers it. Returns the calls that could not be
+        /// made.
+        pub async fn load_config(&self, config: &Config) -> Result<Vec<ConfigEntry>, RpcError> {
+            let mut todo: Vec<ConfigEntry> = config
+                .subsystems
+                .iter()
+                .filter_map(|s| s.config.as_ref())
+                .flatten()
+                .cloned()
+                .collect();
+            let known = self
+                .rpc_get_methods(&RpcGetMethodsParams::default())
+                .await?;
+            if let Some(e) = todo.iter().find(|e| !known.contains(&e.method)) {
+                return Err(RpcError::Spdk {
+                    code: crate::error::codes::METHOD_NOT_FOUND,
+                    message: format!("Unknown method {:?} in the config", e.method),
+                });
+            }
+            loop {
+                let allowed = self
+                    .rpc_get_methods(&RpcGetMethodsParams {
+                        current: Some(true),
+                        include_aliases: None,
+                    })
+                    .await?;
+                let mut progressed = false;
+                let mut rest = Vec::new();
+                for e in todo {
+                    if allowed.contains(&e.method) {
+                        self.call_value(&e.method, e.params.clone(), false, self.timeout())
+                            .await?;
+                        progressed = true;
+                    } else {
+                        rest.push(e);
+                    }
+                }
+                todo = rest;
+                if allowed.iter().any(|m| m == FrameworkStartInit::NAME) {
+                    self.framework_start_init().await?;
+                    progressed = true;
+                }
+                if todo.is_empty() || !progressed {
+                    return Ok(todo);
+                }
+            }
+        }
+
+        /// `spdk_kill_instance`. A connection closed by the dying server counts as success, as
+        /// in SPDK's python client.
+        pub async fn spdk_kill_instance(&self, sig_name: &str) -> Result<bool, RpcError> {
+            match self
+                .call_method::<SpdkKillInstance>(&SpdkKillInstanceParams {
+                    sig_name: sig_name.to_owned(),
+                })
+                .await
+            {
+                Err(RpcError::Disconnected(_)) => Ok(true),
+                r => r,
+            }
+        }
+    }
+}

@@ -92,3 +92,18 @@ method!(
     /// `katablk_delete_qos_group` → `true` (its members keep their own limits).
     KatablkDeleteQosGroup = "katablk_delete_qos_group", KatablkDeleteQosGroupParams => bool, idempotent: false
 );
+
+/// Typed calls of the katablk methods.
+mod calls {
+    use crate::client::RpcClient;
+    use crate::error::RpcError;
+    use crate::methods::*;
+
+    impl RpcClient {
+        /// `katablk_get_unrestored` (katablk-target only): saved configuration entries the
+        /// target could not restore yet.
+        pub async fn katablk_get_unrestored(&self) -> Result<Vec<UnrestoredEntry>, RpcError> {
+            self.call_method::<KatablkGetUnrestored>(&NoParams {}).await
+        }
+    }
+}

@@ -347,6 +347,160 @@ method!(
     BdevLvolSetReadOnly = "bdev_lvol_set_read_only", LvolNameParams => bool, idempotent: false
 );
 
+/// Typed calls of the lvol methods.
+mod calls {
+    use crate::client::RpcClient;
+    use crate::error::RpcError;
+    use crate::methods::*;
+
+    impl RpcClient {
+        /// `bdev_lvol_create_lvstore` → lvstore UUID.
+        pub async fn bdev_lvol_create_lvstore(
+            &self,
+            params: &BdevLvolCreateLvstoreParams,
+        ) -> Result<String, RpcError> {
+            self.call_method::<BdevLvolCreateLvstore>(params).await
+        }
+
+        /// `bdev_lvol_get_lvstores`.
+        pub async fn bdev_lvol_get_lvstores(
+            &self,
+            select: &LvstoreSelector,
+        ) -> Result<Vec<LvstoreInfo>, RpcError> {
+            self.call_method::<BdevLvolGetLvstores>(select).await
+        }
+
+        /// `bdev_lvol_delete_lvstore`.
+        pub async fn bdev_lvol_delete_lvstore(
+            &self,
+            select: &LvstoreSelector,
+        ) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolDeleteLvstore>(select).await
+        }
+
+        /// `bdev_lvol_rename_lvstore`.
+        pub async fn bdev_lvol_rename_lvstore(
+            &self,
+            old_name: &str,
+            new_name: &str,
+        ) -> Result<bool, RpcError> {
+            let p = RenameParams {
+                old_name: old_name.to_owned(),
+                new_name: new_name.to_owned(),
+            };
+            self.call_method::<BdevLvolRenameLvstore>(&p).await
+        }
+
+        /// `bdev_lvol_grow_lvstore`.
+        pub async fn bdev_lvol_grow_lvstore(
+            &self,
+            select: &LvstoreSelector,
+        ) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolGrowLvstore>(select).await
+        }
+
+        /// `bdev_lvol_create` → lvol UUID.
+        pub async fn bdev_lvol_create(
+            &self,
+            params: &BdevLvolCreateParams,
+        ) -> Result<String, RpcError> {
+            self.call_method::<BdevLvolCreate>(params).await
+        }
+
+        /// `bdev_lvol_get_lvols`.
+        pub async fn bdev_lvol_get_lvols(
+            &self,
+            params: &BdevLvolGetLvolsParams,
+        ) -> Result<Vec<LvolInfo>, RpcError> {
+            self.call_method::<BdevLvolGetLvols>(params).await
+        }
+
+        /// `bdev_lvol_delete` (UUID or `lvs/lvol`).
+        pub async fn bdev_lvol_delete(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolDelete>(&LvolNameParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+
+        /// `bdev_lvol_resize`.
+        pub async fn bdev_lvol_resize(
+            &self,
+            name: &str,
+            size_in_mib: u64,
+        ) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolResize>(&BdevLvolResizeParams {
+                name: name.to_owned(),
+                size_in_mib,
+            })
+            .await
+        }
+
+        /// `bdev_lvol_rename` (`new_name` is the lvol part only).
+        pub async fn bdev_lvol_rename(
+            &self,
+            old_name: &str,
+            new_name: &str,
+        ) -> Result<bool, RpcError> {
+            let p = RenameParams {
+                old_name: old_name.to_owned(),
+                new_name: new_name.to_owned(),
+            };
+            self.call_method::<BdevLvolRename>(&p).await
+        }
+
+        /// `bdev_lvol_snapshot` → snapshot UUID.
+        pub async fn bdev_lvol_snapshot(
+            &self,
+            lvol_name: &str,
+            snapshot_name: &str,
+        ) -> Result<String, RpcError> {
+            let p = BdevLvolSnapshotParams {
+                lvol_name: lvol_name.to_owned(),
+                snapshot_name: snapshot_name.to_owned(),
+            };
+            self.call_method::<BdevLvolSnapshot>(&p).await
+        }
+
+        /// `bdev_lvol_clone` → clone UUID.
+        pub async fn bdev_lvol_clone(
+            &self,
+            snapshot_name: &str,
+            clone_name: &str,
+        ) -> Result<String, RpcError> {
+            let p = BdevLvolCloneParams {
+                snapshot_name: snapshot_name.to_owned(),
+                clone_name: clone_name.to_owned(),
+            };
+            self.call_method::<BdevLvolClone>(&p).await
+        }
+
+        /// `bdev_lvol_inflate`.
+        pub async fn bdev_lvol_inflate(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolInflate>(&LvolNameParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+
+        /// `bdev_lvol_decouple_parent`.
+        pub async fn bdev_lvol_decouple_parent(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolDecoupleParent>(&LvolNameParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+
+        /// `bdev_lvol_set_read_only`.
+        pub async fn bdev_lvol_set_read_only(&self, name: &str) -> Result<bool, RpcError> {
+            self.call_method::<BdevLvolSetReadOnly>(&LvolNameParams {
+                name: name.to_owned(),
+            })
+            .await
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

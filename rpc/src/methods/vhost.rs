@@ -139,3 +139,54 @@ method!(
     /// `vhost_controller_set_coalescing` → `true`.
     VhostControllerSetCoalescing = "vhost_controller_set_coalescing", VhostControllerSetCoalescingParams => bool, idempotent: false
 );
+
+/// Typed calls of the vhost methods.
+mod calls {
+    use crate::client::RpcClient;
+    use crate::error::RpcError;
+    use crate::methods::*;
+
+    impl RpcClient {
+        /// `vhost_create_blk_controller`.
+        pub async fn vhost_create_blk_controller(
+            &self,
+            params: &VhostCreateBlkControllerParams,
+        ) -> Result<bool, RpcError> {
+            self.call_method::<VhostCreateBlkController>(params).await
+        }
+
+        /// `vhost_delete_controller`.
+        pub async fn vhost_delete_controller(&self, ctrlr: &str) -> Result<bool, RpcError> {
+            self.call_method::<VhostDeleteController>(&VhostDeleteControllerParams {
+                ctrlr: ctrlr.to_owned(),
+            })
+            .await
+        }
+
+        /// `vhost_get_controllers`: all, or the one named.
+        pub async fn vhost_get_controllers(
+            &self,
+            name: Option<&str>,
+        ) -> Result<Vec<VhostController>, RpcError> {
+            self.call_method::<VhostGetControllers>(&VhostGetControllersParams {
+                name: name.map(str::to_owned),
+            })
+            .await
+        }
+
+        /// `vhost_controller_set_coalescing`.
+        pub async fn vhost_controller_set_coalescing(
+            &self,
+            ctrlr: &str,
+            delay_base_us: u32,
+            iops_threshold: u32,
+        ) -> Result<bool, RpcError> {
+            let p = VhostControllerSetCoalescingParams {
+                ctrlr: ctrlr.to_owned(),
+                delay_base_us,
+                iops_threshold,
+            };
+            self.call_method::<VhostControllerSetCoalescing>(&p).await
+        }
+    }
+}
