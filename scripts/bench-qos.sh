@@ -14,7 +14,7 @@
 #   change      4k randread QD32; the limit set to CHANGE_IOPS (three values) at 0 s, CHANGE_AT s
 #               and 2*CHANGE_AT s while the client runs
 #   neighbour   two volumes: the second at QD1 alone, then beside the first at QD32 unlimited,
-#               then beside it limited to NEIGH_IOPS; the second one's IOPS and p99 compared
+#               then beside it limited to NEIGH_IOPS, NEIGH_ROUNDS times; medians compared
 #   group       (katablk-target only) three volumes in one katablk_set_qos_group of GROUP_IOPS:
 #               all three busy, then one alone
 #   idle        IDLE_CTRLS controllers on limited bdevs, one idle client: server CPU
@@ -37,6 +37,7 @@ HOLD_MBPS=${HOLD_MBPS:-200}
 CHANGE_IOPS=${CHANGE_IOPS:-"20000 5000 40000"}
 CHANGE_AT=${CHANGE_AT:-4}
 NEIGH_IOPS=${NEIGH_IOPS:-10000}
+NEIGH_ROUNDS=${NEIGH_ROUNDS:-3}
 GROUP_IOPS=${GROUP_IOPS:-30000}
 IDLE_CTRLS=${IDLE_CTRLS:-100}
 IDLE_SECS=${IDLE_SECS:-10}
@@ -173,14 +174,19 @@ run_neighbour() {
     # The neighbour m1 runs latency-bound (QD1) beside m0 pushing QD32: alone, with m0
     # unlimited, with m0 limited.
     client alone-m1 m1 "$HOLD_SECS" randread 4k 1
-    local phase
-    for phase in free limited; do
-        [ "$phase" = limited ] && limit m0 "\"rw_ios_per_sec\": $NEIGH_IOPS"
-        client "$phase-m0" m0 "$HOLD_SECS" randread 4k 32 &
-        local a=$!
-        client "$phase-m1" m1 "$HOLD_SECS" randread 4k 1 &
-        local b=$!
-        wait "$a" "$b"
+    # NEIGH_ROUNDS rounds of both phases, alternating (the verdict takes medians).
+    local phase r lim
+    for r in $(seq 1 "$NEIGH_ROUNDS"); do
+        for phase in free limited; do
+            lim=0
+            [ "$phase" = limited ] && lim=$NEIGH_IOPS
+            limit m0 "\"rw_ios_per_sec\": $lim"
+            client "$phase-m0-r$r" m0 "$HOLD_SECS" randread 4k 32 &
+            local a=$!
+            client "$phase-m1-r$r" m1 "$HOLD_SECS" randread 4k 1 &
+            local b=$!
+            wait "$a" "$b"
+        done
     done
 }
 
@@ -231,7 +237,7 @@ run_idle() {
     [ -z "$SPDK_VHOST" ] || echo "spdk: $SPDK_VHOST ($(git -C "$(dirname "$SPDK_VHOST")/../.." describe --tags --always 2>/dev/null || echo unknown))"
     echo "server cpus: $SERVER_CPUS; client cpus: $CLIENT_CPUS; interval: $INTERVAL"
     echo "settings: HOLD_SECS=$HOLD_SECS HOLD_IOPS=$HOLD_IOPS HOLD_MBPS=$HOLD_MBPS CHANGE_IOPS='$CHANGE_IOPS'" \
-        "CHANGE_AT=$CHANGE_AT NEIGH_IOPS=$NEIGH_IOPS GROUP_IOPS=$GROUP_IOPS IDLE_CTRLS=$IDLE_CTRLS DEV_MIB=$DEV_MIB"
+        "CHANGE_AT=$CHANGE_AT NEIGH_IOPS=$NEIGH_IOPS NEIGH_ROUNDS=$NEIGH_ROUNDS GROUP_IOPS=$GROUP_IOPS IDLE_CTRLS=$IDLE_CTRLS DEV_MIB=$DEV_MIB"
 } >"$OUT/env.txt"
 
 for SERVER in $SERVERS; do

@@ -196,6 +196,8 @@ pub struct Neighbour {
     pub limited_iops: (f64, f64),
     /// The limit.
     pub limit: f64,
+    /// Rounds of the two phases (medians of them above).
+    pub rounds: usize,
     /// `free_iops.1 / free_iops.0`.
     pub iops_ratio: f64,
     /// `free_p99_us.1 / free_p99_us.0`.
@@ -205,19 +207,30 @@ pub struct Neighbour {
     pub unharmed: bool,
 }
 
-/// The neighbour scenario from its runs (`alone`: the free volume with the other idle).
+/// The neighbour scenario from its runs (`alone`: the free volume with the other idle; each
+/// phase's runs are rounds, and the medians count).
 pub fn neighbour(
     alone: Option<&BenchReport>,
-    free_m0: &BenchReport,
-    free_m1: &BenchReport,
-    lim_m0: &BenchReport,
-    lim_m1: &BenchReport,
+    free_m0: &[&BenchReport],
+    free_m1: &[&BenchReport],
+    lim_m0: &[&BenchReport],
+    lim_m1: &[&BenchReport],
     limit: f64,
 ) -> Neighbour {
     let p99 = |r: &BenchReport| r.total.total.lat.p99_ns as f64 / 1e3;
-    let free_iops = (free_m1.total.total.iops, lim_m1.total.total.iops);
-    let free_p99_us = (p99(free_m1), p99(lim_m1));
-    let limited_iops = (free_m0.total.total.iops, lim_m0.total.total.iops);
+    let iops = |r: &BenchReport| r.total.total.iops;
+    let med = |rs: &[&BenchReport], f: &dyn Fn(&BenchReport) -> f64| {
+        let mut v: Vec<f64> = rs.iter().map(|r| f(r)).collect();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    };
+    let free_iops = (med(free_m1, &iops), med(lim_m1, &iops));
+    let free_p99_us = (med(free_m1, &p99), med(lim_m1, &p99));
+    let limited_iops = (med(free_m0, &iops), med(lim_m0, &iops));
     let iops_ratio = free_iops.1 / free_iops.0;
     let p99_ratio = free_p99_us.1 / free_p99_us.0;
     Neighbour {
@@ -226,6 +239,7 @@ pub fn neighbour(
         free_p99_us,
         limited_iops,
         limit,
+        rounds: free_m1.len().min(lim_m1.len()),
         iops_ratio,
         p99_ratio,
         unharmed: iops_ratio >= 1.0 - TOLERANCE
@@ -356,18 +370,26 @@ pub fn analyse(
         if let Some(l) = get("change", "limited") {
             r.changes = changes(l, &events(server, "change"));
         }
-        if let (Some(a), Some(b), Some(c), Some(d)) = (
-            get("neighbour", "free-m0"),
-            get("neighbour", "free-m1"),
-            get("neighbour", "limited-m0"),
-            get("neighbour", "limited-m1"),
-        ) {
+        let rounds = |prefix: &str| -> Vec<&BenchReport> {
+            runs.range((server.clone(), "neighbour".to_string(), String::new())..)
+                .take_while(|(k, _)| k.0 == *server && k.1 == "neighbour")
+                .filter(|(k, _)| k.2 == prefix || k.2.starts_with(&format!("{prefix}-r")))
+                .map(|(_, r)| *r)
+                .collect()
+        };
+        let (a, b, c, d) = (
+            rounds("free-m0"),
+            rounds("free-m1"),
+            rounds("limited-m0"),
+            rounds("limited-m1"),
+        );
+        if !(a.is_empty() || b.is_empty() || c.is_empty() || d.is_empty()) {
             r.neighbour = Some(neighbour(
                 get("neighbour", "alone-m1"),
-                a,
-                b,
-                c,
-                d,
+                &a,
+                &b,
+                &c,
+                &d,
                 limits.neigh_iops,
             ));
         }
@@ -503,19 +525,20 @@ pub fn to_markdown(name: &str, results: &BTreeMap<String, ServerResults>) -> Str
     );
     let _ = writeln!(
         o,
-        "Unharmed = with the other limited, the free volume keeps ≥ 95 % of the IOPS and ≤ 105 % \
-         of the p99 it had beside the unlimited other (and the limited one holds its limit).\n"
+        "Medians of the rounds (phases alternate). Unharmed = with the other limited, the free \
+         volume keeps ≥ 95 % of the IOPS and ≤ 105 % of the p99 it had beside the unlimited \
+         other (and the limited one holds its limit).\n"
     );
     let _ = writeln!(
         o,
-        "| server | free volume alone: IOPS, p99 | free volume IOPS (other unlimited → limited) | its p99 | other volume IOPS | limit | IOPS ratio | p99 ratio | unharmed |"
+        "| server | free volume alone: IOPS, p99 | free volume IOPS (other unlimited → limited) | its p99 | other volume IOPS | limit | IOPS ratio | p99 ratio | rounds | unharmed |"
     );
-    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for s in &servers {
         if let Some(n) = &results[*s].neighbour {
             let _ = writeln!(
                 o,
-                "| {s} | {} | {:.0} → {:.0} | {:.0} → {:.0} | {:.0} → {:.0} | {:.0} | {:.2} | {:.2} | {} |",
+                "| {s} | {} | {:.0} → {:.0} | {:.0} → {:.0} | {:.0} → {:.0} | {:.0} | {:.2} | {:.2} | {} | {} |",
                 n.alone
                     .map_or("n/a".into(), |(i, p)| format!("{i:.0}, {p:.0} µs")),
                 n.free_iops.0,
@@ -527,6 +550,7 @@ pub fn to_markdown(name: &str, results: &BTreeMap<String, ServerResults>) -> Str
                 n.limit,
                 n.iops_ratio,
                 n.p99_ratio,
+                n.rounds,
                 yes(n.unharmed)
             );
         }
@@ -756,15 +780,18 @@ mod tests {
 
     #[test]
     fn neighbour_and_group_verdicts() {
-        let n = neighbour(
-            None,
-            &report(90_000.0, &[], 0.1),
-            &report(90_000.0, &[], 0.1),
-            &report(10_000.0, &[], 0.1),
-            &report(120_000.0, &[], 0.1),
-            10_000.0,
+        let (f0, f1, l0) = (
+            report(90_000.0, &[], 0.1),
+            report(90_000.0, &[], 0.1),
+            report(10_000.0, &[], 0.1),
         );
-        assert!(n.unharmed && n.iops_ratio > 1.3, "{n:?}");
+        let (a, b, c) = (
+            report(120_000.0, &[], 0.1),
+            report(10.0, &[], 0.1),
+            report(121_000.0, &[], 0.1),
+        );
+        let n = neighbour(None, &[&f0], &[&f1], &[&l0], &[&a, &b, &c], 10_000.0);
+        assert!(n.unharmed && n.iops_ratio > 1.3, "medians: {n:?}");
         let m = report(10_000.0, &[10_000.0; 40], 0.1);
         let g = group(
             &[("m0".into(), &m), ("m1".into(), &m), ("m2".into(), &m)],

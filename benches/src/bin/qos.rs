@@ -275,10 +275,10 @@ fn run(a: &Args) -> Result<()> {
             let mut lines = Vec::new();
             for (run, label) in [
                 ("alone-m1", "free volume (QD1), other idle"),
-                ("free-m1", "free volume, other unlimited"),
-                ("limited-m1", "free volume, other limited"),
-                ("free-m0", "other volume, unlimited"),
-                ("limited-m0", "other volume, limited"),
+                ("free-m1-r1", "free volume, other unlimited"),
+                ("limited-m1-r1", "free volume, other limited"),
+                ("free-m0-r1", "other volume, unlimited"),
+                ("limited-m0-r1", "other volume, limited"),
             ] {
                 lines.push(Line {
                     name: label.into(),
@@ -286,7 +286,10 @@ fn run(a: &Args) -> Result<()> {
                 });
             }
             Some(Panel {
-                title: format!("{s}: limit {} IOPS on the other volume", a.neigh_iops),
+                title: format!(
+                    "{s}: limit {} IOPS on the other volume (round 1)",
+                    a.neigh_iops
+                ),
                 y_desc: "IOPS".into(),
                 lines,
                 refs: vec![a.neigh_iops],
