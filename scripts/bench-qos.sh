@@ -95,6 +95,7 @@ start_server() { # SERVER SCENARIO
     local server=$1 scen=$2 logf cmd i
     stop_server
     rm -rf "$WORK/s" && mkdir -p "$WORK/s"
+    rm -f "$RPC" # SPDK refuses a socket path that exists
     logf=$OUT/logs/$server-$scen.log
     case $server in
     target) cmd=("$KATABLK_TARGET" -S "$WORK/s" -r "$RPC" -m "[$SERVER_CPUS]") ;;
@@ -180,7 +181,8 @@ run_neighbour() {
         for phase in free limited; do
             lim=0
             [ "$phase" = limited ] && lim=$NEIGH_IOPS
-            limit m0 "\"rw_ios_per_sec\": $lim"
+            # (a fresh bdev has no limit: nothing to lift before the first round)
+            [ "$r$phase" = 1free ] || limit m0 "\"rw_ios_per_sec\": $lim"
             client "$phase-m0-r$r" m0 "$HOLD_SECS" randread 4k 32 &
             local a=$!
             client "$phase-m1-r$r" m1 "$HOLD_SECS" randread 4k 1 &
