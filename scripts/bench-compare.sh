@@ -145,7 +145,7 @@ for s in $SERVERS; do
             active+=(kspdk)
         else
             log "SKIPPING kspdk: katablk-spdk not found at $KATABLK_SPDK" \
-                "(SPDK_DIR=<spdk> CARGO_TARGET_DIR=target/spdk cargo build --release -p spdk-sys --features spdk)"
+                "(SPDK_DIR=<spdk> CARGO_TARGET_DIR=target/spdk cargo build --release -p katablk-spdk --features spdk)"
             NOTES+=("kspdk side skipped: no katablk-spdk binary at $KATABLK_SPDK")
         fi
         ;;

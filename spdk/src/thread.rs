@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::sync::mpsc;
 
 use crate::ffi;
-use crate::SpdkError;
+use crate::Error;
 
 /// A handle to an `spdk_thread` that may be used from any OS thread to send it messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,29 +59,29 @@ impl Thread {
 
     /// Creates a new SPDK thread, scheduled by the framework on one of the application's cores.
     /// Must be called from an SPDK thread (use [`Thread::run`] on the app thread otherwise).
-    pub fn create(name: &str) -> Result<Thread, SpdkError> {
+    pub fn create(name: &str) -> Result<Thread, Error> {
         if Thread::current().is_none() {
-            return Err(SpdkError::NotOnSpdkThread("spdk_thread_create"));
+            return Err(Error::NotOnSpdkThread("spdk_thread_create"));
         }
-        let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
+        let cname = CString::new(name).map_err(|_| Error::InvalidName(name.to_string()))?;
         // SAFETY: `cname` is a valid C string for the call; a NULL cpumask means every core of
         // the application, and SPDK copies the name.
         let t = unsafe { ffi::spdk_thread_create(cname.as_ptr(), std::ptr::null()) };
         if t.is_null() {
-            return Err(SpdkError::Call("spdk_thread_create", -libc::ENOMEM));
+            return Err(Error::Call("spdk_thread_create", -libc::ENOMEM));
         }
         Ok(Thread(t))
     }
 
     /// Like [`Thread::create`], restricted to reactor `core` when given.
-    pub fn create_on(name: &str, core: Option<u32>) -> Result<Thread, SpdkError> {
+    pub fn create_on(name: &str, core: Option<u32>) -> Result<Thread, Error> {
         let Some(core) = core else {
             return Thread::create(name);
         };
         if Thread::current().is_none() {
-            return Err(SpdkError::NotOnSpdkThread("spdk_thread_create"));
+            return Err(Error::NotOnSpdkThread("spdk_thread_create"));
         }
-        let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
+        let cname = CString::new(name).map_err(|_| Error::InvalidName(name.to_string()))?;
         let mut set = ffi::spdk_cpuset::default();
         // SAFETY: `set` is a valid cpuset; SPDK copies it and the name.
         let t = unsafe {
@@ -90,13 +90,13 @@ impl Thread {
             ffi::spdk_thread_create(cname.as_ptr(), &set)
         };
         if t.is_null() {
-            return Err(SpdkError::Call("spdk_thread_create", -libc::ENOMEM));
+            return Err(Error::Call("spdk_thread_create", -libc::ENOMEM));
         }
         Ok(Thread(t))
     }
 
     /// Runs `f` on this thread, later. Fails if the thread no longer takes messages.
-    pub fn send(&self, f: impl FnOnce() + Send + 'static) -> Result<(), SpdkError> {
+    pub fn send(&self, f: impl FnOnce() + Send + 'static) -> Result<(), Error> {
         let b: Box<Msg> = Box::new(Box::new(f));
         let ctx = Box::into_raw(b).cast::<c_void>();
         // SAFETY: spdk_thread_send_msg may be called from any thread; `run_msg` takes back the
@@ -105,7 +105,7 @@ impl Thread {
         if rc != 0 {
             // SAFETY: the message was not queued, so the box is still ours.
             drop(unsafe { Box::from_raw(ctx.cast::<Msg>()) });
-            return Err(SpdkError::Call("spdk_thread_send_msg", rc));
+            return Err(Error::Call("spdk_thread_send_msg", rc));
         }
         Ok(())
     }
@@ -115,15 +115,15 @@ impl Thread {
     pub fn run<R: Send + 'static>(
         &self,
         f: impl FnOnce() -> R + Send + 'static,
-    ) -> Result<R, SpdkError> {
+    ) -> Result<R, Error> {
         if Thread::current().is_some() {
-            return Err(SpdkError::OnSpdkThread);
+            return Err(Error::OnSpdkThread);
         }
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(move || {
             let _ = tx.send(f());
         })?;
-        rx.recv().map_err(|_| SpdkError::Stopped)
+        rx.recv().map_err(|_| Error::Stopped)
     }
 }
 
@@ -138,8 +138,8 @@ unsafe extern "C" fn run_local_msg(ctx: *mut c_void) {
 
 /// Runs `f` later on the current SPDK thread (after the current poller or message returns).
 /// `f` need not be `Send`: it never leaves this thread.
-pub fn send_to_current(f: impl FnOnce() + 'static) -> Result<(), SpdkError> {
-    let t = Thread::current().ok_or(SpdkError::NotOnSpdkThread("send_to_current"))?;
+pub fn send_to_current(f: impl FnOnce() + 'static) -> Result<(), Error> {
+    let t = Thread::current().ok_or(Error::NotOnSpdkThread("send_to_current"))?;
     let b: Box<LocalMsg> = Box::new(Box::new(f));
     let ctx = Box::into_raw(b).cast::<c_void>();
     // SAFETY: the message is queued to the calling thread itself, so the non-Send closure runs
@@ -148,7 +148,7 @@ pub fn send_to_current(f: impl FnOnce() + 'static) -> Result<(), SpdkError> {
     if rc != 0 {
         // SAFETY: not queued, still ours.
         drop(unsafe { Box::from_raw(ctx.cast::<LocalMsg>()) });
-        return Err(SpdkError::Call("spdk_thread_send_msg", rc));
+        return Err(Error::Call("spdk_thread_send_msg", rc));
     }
     Ok(())
 }
@@ -176,12 +176,9 @@ pub struct Poller {
 
 impl Poller {
     /// Registers `f` on the current SPDK thread.
-    pub fn register(
-        f: impl FnMut() -> bool + 'static,
-        period_us: u64,
-    ) -> Result<Poller, SpdkError> {
+    pub fn register(f: impl FnMut() -> bool + 'static, period_us: u64) -> Result<Poller, Error> {
         if Thread::current().is_none() {
-            return Err(SpdkError::NotOnSpdkThread("spdk_poller_register"));
+            return Err(Error::NotOnSpdkThread("spdk_poller_register"));
         }
         let ctx: *mut PollFn = Box::into_raw(Box::new(Box::new(f)));
         // SAFETY: on an SPDK thread (checked); `ctx` stays valid until the poller is
@@ -190,7 +187,7 @@ impl Poller {
         if raw.is_null() {
             // SAFETY: not registered, still ours.
             drop(unsafe { Box::from_raw(ctx) });
-            return Err(SpdkError::Call("spdk_poller_register", -libc::ENOMEM));
+            return Err(Error::Call("spdk_poller_register", -libc::ENOMEM));
         }
         Ok(Poller { raw, ctx })
     }
@@ -210,12 +207,12 @@ impl Drop for Poller {
 
 /// Marks the current SPDK thread as exiting; the framework destroys it once its pollers and
 /// I/O channels are gone.
-pub fn exit_current() -> Result<(), SpdkError> {
-    let t = Thread::current().ok_or(SpdkError::NotOnSpdkThread("spdk_thread_exit"))?;
+pub fn exit_current() -> Result<(), Error> {
+    let t = Thread::current().ok_or(Error::NotOnSpdkThread("spdk_thread_exit"))?;
     // SAFETY: called on the thread itself, as SPDK requires.
     let rc = unsafe { ffi::spdk_thread_exit(t.0) };
     if rc != 0 {
-        return Err(SpdkError::Call("spdk_thread_exit", rc));
+        return Err(Error::Call("spdk_thread_exit", rc));
     }
     Ok(())
 }

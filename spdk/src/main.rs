@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, Result};
 use clap::Parser;
 use katablk_bdev::BlockDevice;
+use katablk_spdk::app::SpdkApp;
+use katablk_spdk::bdev::SpdkBdev;
+use katablk_spdk::env::EnvOptions;
+use katablk_spdk::rpc::{register_method, MethodError};
+use katablk_spdk::thread::Thread;
 use katablk_vhost::{BlkOptions, ServerHandle, VhostBlkServer};
 use serde_json::{json, Value};
-use spdk_sys::app::SpdkApp;
-use spdk_sys::bdev::SpdkBdev;
-use spdk_sys::env::EnvOptions;
-use spdk_sys::rpc::{register_method, MethodError};
-use spdk_sys::thread::Thread;
 use tracing::{info, warn};
 
 #[derive(Parser, Debug)]
@@ -393,7 +393,7 @@ fn main() -> Result<()> {
     }
     let app = SpdkApp::start(&env).context("starting SPDK")?;
     let runtime = (!args.worker_threads).then(|| {
-        katablk_vhost::RuntimeHandle(Arc::new(spdk_sys::runtime::SpdkRuntime::new(
+        katablk_vhost::RuntimeHandle(Arc::new(katablk_spdk::runtime::SpdkRuntime::new(
             app.thread(),
             app.cores().to_vec(),
         )))

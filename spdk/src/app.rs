@@ -17,7 +17,7 @@ use tracing::{error, info};
 use crate::env::EnvOptions;
 use crate::ffi;
 use crate::thread::Thread;
-use crate::SpdkError;
+use crate::Error;
 
 static STARTED: AtomicBool = AtomicBool::new(false);
 
@@ -30,35 +30,35 @@ pub struct SpdkApp {
 }
 
 struct StartCtx {
-    ready: mpsc::SyncSender<Result<Thread, SpdkError>>,
+    ready: mpsc::SyncSender<Result<Thread, Error>>,
 }
 
 unsafe extern "C" fn app_started(ctx: *mut c_void) {
     // SAFETY: `ctx` is the `StartCtx` owned by the starting OS thread's stack frame, which
     // outlives spdk_app_start; the start callback runs once.
     let ctx = unsafe { &*ctx.cast::<StartCtx>() };
-    let r = Thread::current().ok_or(SpdkError::NotOnSpdkThread("start callback"));
+    let r = Thread::current().ok_or(Error::NotOnSpdkThread("start callback"));
     let _ = ctx.ready.send(r);
 }
 
-fn cstring(s: &str) -> Result<CString, SpdkError> {
-    CString::new(s).map_err(|_| SpdkError::InvalidName(s.to_string()))
+fn cstring(s: &str) -> Result<CString, Error> {
+    CString::new(s).map_err(|_| Error::InvalidName(s.to_string()))
 }
 
 impl SpdkApp {
     /// Starts SPDK with `opts` and waits until its subsystems are initialised and the JSON
     /// config (if any) is loaded. Fails if an application was already started in this process.
-    pub fn start(opts: &EnvOptions) -> Result<SpdkApp, SpdkError> {
+    pub fn start(opts: &EnvOptions) -> Result<SpdkApp, Error> {
         let cores = opts.validate()?;
         if STARTED.swap(true, Ordering::SeqCst) {
-            return Err(SpdkError::AlreadyStarted);
+            return Err(Error::AlreadyStarted);
         }
         let o = opts.clone();
         let (tx, rx) = mpsc::sync_channel(1);
         let join = std::thread::Builder::new()
             .name("spdk-reactor-0".into())
             .spawn(move || run_app(o, tx))
-            .map_err(|e| SpdkError::Io("spawn the SPDK thread", e))?;
+            .map_err(|e| Error::Io("spawn the SPDK thread", e))?;
         match rx.recv() {
             Ok(Ok(thread)) => {
                 info!(cores = ?cores, "SPDK application started");
@@ -74,7 +74,7 @@ impl SpdkApp {
             }
             Err(_) => {
                 let rc = join.join().unwrap_or(-1);
-                Err(SpdkError::StartFailed(rc))
+                Err(Error::StartFailed(rc))
             }
         }
     }
@@ -90,11 +90,11 @@ impl SpdkApp {
     }
 
     /// Stops the framework (subsystems are finished, bdevs unregistered) and waits for it.
-    pub fn stop(mut self) -> Result<(), SpdkError> {
+    pub fn stop(mut self) -> Result<(), Error> {
         self.stop_inner()
     }
 
-    fn stop_inner(&mut self) -> Result<(), SpdkError> {
+    fn stop_inner(&mut self) -> Result<(), Error> {
         let Some(join) = self.join.take() else {
             return Ok(());
         };
@@ -105,8 +105,8 @@ impl SpdkApp {
         })?;
         match join.join() {
             Ok(0) => Ok(()),
-            Ok(rc) => Err(SpdkError::Call("spdk_app_start", rc)),
-            Err(_) => Err(SpdkError::Stopped),
+            Ok(rc) => Err(Error::Call("spdk_app_start", rc)),
+            Err(_) => Err(Error::Stopped),
         }
     }
 }
@@ -119,12 +119,12 @@ impl Drop for SpdkApp {
     }
 }
 
-fn run_app(o: EnvOptions, ready: mpsc::SyncSender<Result<Thread, SpdkError>>) -> i32 {
+fn run_app(o: EnvOptions, ready: mpsc::SyncSender<Result<Thread, Error>>) -> i32 {
     let mut strings = Vec::new();
     let mut opts = ffi::spdk_app_opts::default();
     // SAFETY: `opts` is a valid spdk_app_opts of the size passed.
     unsafe { ffi::spdk_app_opts_init(&mut opts, std::mem::size_of::<ffi::spdk_app_opts>()) };
-    let mut set = || -> Result<(), SpdkError> {
+    let mut set = || -> Result<(), Error> {
         let name = cstring(&o.name)?;
         opts.name = name.as_ptr();
         strings.push(name);

@@ -18,7 +18,7 @@ use tracing::warn;
 use crate::ffi;
 use crate::json::Token;
 use crate::thread::Thread;
-use crate::SpdkError;
+use crate::Error;
 
 /// A method's error reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +50,7 @@ static HANDLERS: Mutex<Vec<(String, Handler)>> = Mutex::new(Vec::new());
 type Job = Box<dyn FnOnce() + Send>;
 static ADMIN: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
 
-fn admin() -> Result<mpsc::Sender<Job>, SpdkError> {
+fn admin() -> Result<mpsc::Sender<Job>, Error> {
     let m = ADMIN.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Job>();
         let spawned = std::thread::Builder::new()
@@ -65,7 +65,7 @@ fn admin() -> Result<mpsc::Sender<Job>, SpdkError> {
         }
         Mutex::new(tx)
     });
-    m.lock().map(|t| t.clone()).map_err(|_| SpdkError::Stopped)
+    m.lock().map(|t| t.clone()).map_err(|_| Error::Stopped)
 }
 
 /// A request pointer carried to the admin thread and back (only dereferenced by SPDK on the
@@ -205,16 +205,16 @@ trampolines!(
 pub fn register_method(
     name: &str,
     handler: impl Fn(Value) -> Result<Value, MethodError> + Send + Sync + 'static,
-) -> Result<(), SpdkError> {
-    let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
-    let mut h = HANDLERS.lock().map_err(|_| SpdkError::Stopped)?;
+) -> Result<(), Error> {
+    let cname = CString::new(name).map_err(|_| Error::InvalidName(name.to_string()))?;
+    let mut h = HANDLERS.lock().map_err(|_| Error::Stopped)?;
     if h.iter().any(|(n, _)| n == name) {
-        return Err(SpdkError::InvalidName(format!("{name} registered twice")));
+        return Err(Error::InvalidName(format!("{name} registered twice")));
     }
     let slot = h.len();
     let tramp = *TRAMPOLINES
         .get(slot)
-        .ok_or_else(|| SpdkError::InvalidName(format!("more than {MAX_METHODS} methods")))?;
+        .ok_or_else(|| Error::InvalidName(format!("more than {MAX_METHODS} methods")))?;
     h.push((name.to_string(), Arc::new(handler)));
     // SAFETY: SPDK keeps the name pointer: leak it for the life of the process (methods are
     // never unregistered). Registering before the app starts is not racing SPDK's readers.

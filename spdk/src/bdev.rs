@@ -27,7 +27,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::ffi;
 use crate::thread::{exit_current, Poller, Thread};
-use crate::SpdkError;
+use crate::Error;
 
 /// Bdev state changed by SPDK's event callback (resize, hot removal).
 #[derive(Debug)]
@@ -123,8 +123,8 @@ pub struct SpdkBdev {
 impl SpdkBdev {
     /// Opens bdev `name` (for writing unless `read_only`) on SPDK thread `owner` (normally the
     /// application thread). Call it from a non-SPDK thread.
-    pub fn open(owner: Thread, name: &str, read_only: bool) -> Result<SpdkBdev, SpdkError> {
-        let cname = CString::new(name).map_err(|_| SpdkError::InvalidName(name.to_string()))?;
+    pub fn open(owner: Thread, name: &str, read_only: bool) -> Result<SpdkBdev, Error> {
+        let cname = CString::new(name).map_err(|_| Error::InvalidName(name.to_string()))?;
         let events = Arc::new(Events {
             num_blocks: AtomicU64::new(0),
             removed: AtomicBool::new(false),
@@ -187,7 +187,7 @@ impl SpdkBdev {
             Ok(Err(rc)) => {
                 // SAFETY: the open failed, so no event can refer to the context.
                 drop(unsafe { Arc::from_raw(ev_ptr as *const Events) });
-                return Err(SpdkError::OpenBdev(name.to_string(), rc));
+                return Err(Error::OpenBdev(name.to_string(), rc));
             }
             Err(e) => {
                 // SAFETY: the message never ran (or ran and failed before open).
@@ -442,13 +442,13 @@ struct SpdkChannel {
 }
 
 impl SpdkChannel {
-    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, SpdkError> {
+    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, Error> {
         if depth == 0 || depth > 65536 || max_segments == 0 {
-            return Err(SpdkError::InvalidName(format!(
+            return Err(Error::InvalidName(format!(
                 "depth {depth} / segments {max_segments}"
             )));
         }
-        let efd = EventFd::new(EFD_NONBLOCK).map_err(|e| SpdkError::Io("eventfd", e))?;
+        let efd = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Io("eventfd", e))?;
         let n = bdev.channels.fetch_add(1, Ordering::Relaxed);
         let name = format!("katablk_{}_{n}", bdev.name);
         let owner = bdev.owner;
@@ -478,12 +478,12 @@ impl SpdkChannel {
         let sh = shared.clone();
         // Create the channel's thread from the owner thread, then set it up on itself.
         let thread = owner.run(move || Thread::create(&name))??;
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), SpdkError>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), Error>>(1);
         thread.send(move || {
             let r = start_channel_thread(sh, stop_tx);
             let _ = ready_tx.send(r);
         })?;
-        ready_rx.recv().map_err(|_| SpdkError::Stopped)??;
+        ready_rx.recv().map_err(|_| Error::Stopped)??;
         Ok(SpdkChannel {
             shared,
             thread,
@@ -501,12 +501,12 @@ impl SpdkChannel {
 fn start_channel_thread(
     shared: Arc<ChanShared>,
     stopped: mpsc::SyncSender<()>,
-) -> Result<(), SpdkError> {
+) -> Result<(), Error> {
     // SAFETY: on the channel's own SPDK thread; the descriptor is open.
     let io_ch = unsafe { ffi::spdk_bdev_get_io_channel(shared.bdev.desc.0) };
     if io_ch.is_null() {
         exit_current()?;
-        return Err(SpdkError::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
+        return Err(Error::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
     }
     let side = std::rc::Rc::new(std::cell::RefCell::new(SpdkSide {
         shared,
@@ -845,17 +845,17 @@ struct LocalChannel {
 unsafe impl Send for LocalChannel {}
 
 impl LocalChannel {
-    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, SpdkError> {
+    fn open(bdev: Arc<BdevShared>, depth: usize, max_segments: usize) -> Result<Self, Error> {
         if depth == 0 || depth > 65536 || max_segments == 0 {
-            return Err(SpdkError::InvalidName(format!(
+            return Err(Error::InvalidName(format!(
                 "depth {depth} / segments {max_segments}"
             )));
         }
-        let thread = Thread::current().ok_or(SpdkError::NotOnSpdkThread("LocalChannel"))?;
+        let thread = Thread::current().ok_or(Error::NotOnSpdkThread("LocalChannel"))?;
         // SAFETY: on an SPDK thread; the descriptor is open.
         let io_ch = unsafe { ffi::spdk_bdev_get_io_channel(bdev.desc.0) };
         if io_ch.is_null() {
-            return Err(SpdkError::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
+            return Err(Error::Call("spdk_bdev_get_io_channel", -libc::ENOMEM));
         }
         let done = Box::new(std::cell::RefCell::new(Vec::with_capacity(depth)));
         let done_ptr: *const _ = &*done;

@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 
 use crate::ffi;
-use crate::SpdkError;
+use crate::Error;
 
 /// A zeroed, aligned, DMA-able buffer, freed on drop. Usable from any thread.
 #[derive(Debug)]
@@ -19,16 +19,16 @@ unsafe impl Sync for DmaBuf {}
 
 impl DmaBuf {
     /// Allocates `len` bytes aligned to `align` (a power of two). Needs a started application.
-    pub fn new(len: usize, align: usize) -> Result<DmaBuf, SpdkError> {
+    pub fn new(len: usize, align: usize) -> Result<DmaBuf, Error> {
         if len == 0 || !align.is_power_of_two() {
-            return Err(SpdkError::InvalidName(format!(
+            return Err(Error::InvalidName(format!(
                 "DMA buffer of {len} bytes aligned to {align}"
             )));
         }
         // SAFETY: plain allocation; a NULL return is handled.
         let p = unsafe { ffi::spdk_dma_zmalloc(len, align, std::ptr::null_mut()) };
         if p.is_null() {
-            return Err(SpdkError::Call("spdk_dma_zmalloc", -libc::ENOMEM));
+            return Err(Error::Call("spdk_dma_zmalloc", -libc::ENOMEM));
         }
         Ok(DmaBuf { ptr: p.cast(), len })
     }

@@ -11,12 +11,12 @@ mod with_spdk {
     use std::time::{Duration, Instant};
 
     use katablk_bdev::{iovec, BlockDevice, Completion, IoChannel, IoOp, IoRequest, SubmitError};
-    use spdk_sys::app::SpdkApp;
-    use spdk_sys::bdev::SpdkBdev;
-    use spdk_sys::dma::DmaBuf;
-    use spdk_sys::env::EnvOptions;
-    use spdk_sys::thread::{Poller, Thread};
-    use spdk_sys::SpdkError;
+    use katablk_spdk::app::SpdkApp;
+    use katablk_spdk::bdev::SpdkBdev;
+    use katablk_spdk::dma::DmaBuf;
+    use katablk_spdk::env::EnvOptions;
+    use katablk_spdk::thread::{Poller, Thread};
+    use katablk_spdk::Error;
 
     fn reap(ch: &mut dyn IoChannel, n: usize) -> Vec<Completion> {
         let mut out = Vec::new();
@@ -202,10 +202,7 @@ mod with_spdk {
             ..Default::default()
         };
         let app = SpdkApp::start(&opts).unwrap();
-        assert!(matches!(
-            SpdkApp::start(&opts),
-            Err(SpdkError::AlreadyStarted)
-        ));
+        assert!(matches!(SpdkApp::start(&opts), Err(Error::AlreadyStarted)));
         let t = app.thread();
         // Messages and blocking calls reach the app thread; pollers run there.
         assert_eq!(t.run(Thread::current).unwrap(), Some(t));
@@ -220,7 +217,7 @@ mod with_spdk {
                 move || {
                     if c2.fetch_add(1, Ordering::SeqCst) + 1 == 3 {
                         let s3 = s2.clone();
-                        spdk_sys::thread::send_to_current(move || {
+                        katablk_spdk::thread::send_to_current(move || {
                             s3.borrow_mut().take();
                         })
                         .unwrap();
@@ -244,7 +241,7 @@ mod with_spdk {
         // Not from a non-SPDK thread:
         assert!(matches!(
             Poller::register(|| false, 0),
-            Err(SpdkError::NotOnSpdkThread(_))
+            Err(Error::NotOnSpdkThread(_))
         ));
 
         let e = SpdkBdev::open(t, "nosuch", false).unwrap_err();
@@ -288,7 +285,7 @@ mod with_spdk {
         // (no eventfd, no hand-off), requests complete as the thread polls.
         {
             use katablk_vhost::WorkerRuntime;
-            let rt = spdk_sys::runtime::SpdkRuntime::new(t, app.cores().to_vec());
+            let rt = katablk_spdk::runtime::SpdkRuntime::new(t, app.cores().to_vec());
             let dev = malloc.clone();
             let (res_tx, res_rx) = std::sync::mpsc::channel::<Result<(), String>>();
             struct St {
