@@ -31,7 +31,8 @@ pub const ENABLED: bool = cfg!(feature = "spdk");
     dead_code,
     missing_docs,
     clippy::all,
-    clippy::undocumented_unsafe_blocks
+    clippy::undocumented_unsafe_blocks,
+    rustdoc::all
 )]
 pub mod ffi {
     include!(concat!(env!("OUT_DIR"), "/spdk.rs"));
