@@ -15,7 +15,7 @@ use katablk_bdev::IoError;
 
 use crate::lvol::Lvol;
 use crate::md::{BlobMd, ClearMethod};
-use crate::store::Shared;
+use crate::shared::Shared;
 
 /// Most cluster allocations (or releases) committed in one metadata transaction by the worker.
 const ALLOC_BATCH: usize = 32;

@@ -18,7 +18,7 @@ use katablk_bdev::{
 };
 
 use crate::lvol::{Lvol, VolState};
-use crate::store::{AllocReq, Waiter};
+use crate::shared::{AllocReq, Waiter};
 
 /// One finished allocation: (slot, logical cluster, result).
 type Ready = (u32, u64, Result<(), IoError>);

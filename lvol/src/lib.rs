@@ -49,6 +49,7 @@ mod import;
 mod lvol;
 pub mod md;
 mod recover;
+mod shared;
 mod snapshot;
 pub mod spdk;
 mod store;

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use crate::channel::LvolChannel;
 use crate::error::{LvolError, Result};
 use crate::md::ClearMethod;
-use crate::store::Shared;
+use crate::shared::Shared;
 
 /// Reported properties of a volume (the fields of SPDK's `bdev_lvol_get_lvols` and
 /// `bdev_get_bdevs` `driver_specific.lvol`).

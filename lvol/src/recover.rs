@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
 use crate::md::{decode_blob, parse_page, PageHdr, PageState, NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE};
-use crate::store::MdState;
+use crate::shared::MdState;
 use crate::superblock::{decode_mask, MASK_TYPE_CLUSTERS, MASK_TYPE_PAGES};
 
 const PAGE: u64 = PAGE_SIZE as u64;

@@ -103,7 +103,7 @@ impl LvStore {
     }
 
     /// Clusters of blob `b` that inflate (`all`) or decouple must fill, with their source.
-    fn copy_work(st: &crate::store::MdState, b: &BlobMd, all: bool) -> Vec<(usize, Option<u32>)> {
+    fn copy_work(st: &crate::shared::MdState, b: &BlobMd, all: bool) -> Vec<(usize, Option<u32>)> {
         (0..b.clusters.len())
             .filter(|&c| b.clusters[c] == 0)
             .map(|c| (c, st.ancestor_cluster(b.parent, c as u64)))
@@ -183,7 +183,7 @@ impl LvStore {
     /// Allocates and fills a cluster of `b` for each `(cluster, source)` of `work`, then
     /// commits `b`. On error the new clusters are given back and nothing is committed.
     fn fill_and_commit(
-        st: &mut crate::store::MdState,
+        st: &mut crate::shared::MdState,
         mut b: BlobMd,
         work: &[(usize, Option<u32>)],
     ) -> Result<()> {

@@ -1,5 +1,6 @@
-//! The volume store: shared state, creation, examination (open), lifecycle. The metadata
-//! transaction engine is in [`txn`] (`impl MdState`), the volume-level operations in
+//! The volume store: creation, examination (open), lifecycle (the state it shares with its
+//! volumes and their channels is in `crate::shared`). The metadata transaction engine is in
+//! [`txn`] (`impl MdState`), the volume-level operations in
 //! [`volumes`].
 
 mod txn;
@@ -7,14 +8,13 @@ mod volumes;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use katablk_bdev::sync::SyncIo;
 use katablk_bdev::{BlockDevice, IoError};
 use uuid::Uuid;
 
-use crate::channel::ChanShared;
 use crate::cluster_map::Bitmap;
 use crate::error::{LvolError, Result};
 use crate::lvol::{Lvol, LvolInfo, VolState};
@@ -22,6 +22,7 @@ use crate::md::{
     build_page, encode_blob, BlobMd, ClearMethod, PageHdr, NO_PAGE, PAGE_SIZE, PAGE_TOMBSTONE,
 };
 use crate::recover::OpenReport;
+use crate::shared::{AllocQueue, MdState, Shared, Waiter};
 use crate::superblock::{
     encode_mask, mask_capacity, mask_pages, SuperBlock, MASK_TYPE_CLUSTERS, MASK_TYPE_PAGES,
     MAX_NAME, SLOTS, VERSION,
@@ -100,75 +101,6 @@ pub struct LvsInfo {
     pub max_growable_size: u64,
 }
 
-pub(crate) struct Waiter {
-    pub(crate) chan: Arc<ChanShared>,
-    pub(crate) slot: u32,
-}
-
-#[derive(Default)]
-pub(crate) struct AllocQueue {
-    pub(crate) pending: HashMap<(u64, u64), Vec<Waiter>>,
-    pub(crate) queue: Vec<(Arc<Lvol>, u64)>,
-    /// Whole clusters discarded on thin volumes, to be given back to the store.
-    pub(crate) releases: Vec<(Arc<Lvol>, u64)>,
-    pub(crate) closed: bool,
-}
-
-/// Result of asking for a cluster allocation.
-pub(crate) enum AllocReq {
-    /// The waiter will be notified.
-    Queued,
-    /// The store is closed.
-    Closed,
-}
-
-impl Shared {
-    /// The store's current name.
-    pub(crate) fn name(&self) -> String {
-        self.name.read().map(|n| n.clone()).unwrap_or_default()
-    }
-}
-
-/// State shared by the store, its volumes, their channels and the allocation worker.
-pub(crate) struct Shared {
-    pub(crate) dev: Arc<dyn BlockDevice>,
-    pub(crate) cluster_size: u64,
-    /// Store name (changed by [`LvStore::rename`]).
-    name: std::sync::RwLock<String>,
-    pub(crate) uuid: Uuid,
-    md: Mutex<MdState>,
-    alloc: Mutex<AllocQueue>,
-    pub(crate) alloc_cv: Condvar,
-    pub(crate) closed: AtomicBool,
-    pub(crate) allocations: AtomicU64,
-    /// Clusters unmapped by committed releases whose earlier I/O is still draining.
-    pub(crate) releasing: AtomicU64,
-}
-
-pub(crate) struct MdState {
-    pub(crate) io: SyncIo,
-    pub(crate) sb: SuperBlock,
-    pub(crate) md_used: Bitmap,
-    pub(crate) clusters: Bitmap,
-    pub(crate) blobs: BTreeMap<u64, BlobMd>,
-    pub(crate) pages: HashMap<u64, Vec<u32>>,
-    pub(crate) vols: HashMap<u64, Arc<Lvol>>,
-    pub(crate) next_txn: u64,
-    /// Newest committed transaction (whose pages are all still on disk).
-    pub(crate) last_committed: u64,
-    pub(crate) next_id: u64,
-    pub(crate) deferred_zero: Vec<u32>,
-    /// A metadata write failed in a way that could not be undone: refuse further updates.
-    pub(crate) poisoned: bool,
-    /// The store was closed (marked clean): refuse further updates.
-    pub(crate) closed: bool,
-    pub(crate) md_hint: u64,
-    pub(crate) cluster_hint: u64,
-    pub(crate) bounce: Vec<u8>,
-    pub(crate) write_zeroes: bool,
-    pub(crate) discard: bool,
-}
-
 /// A logical volume store on a block device. `Send + Sync`; share it with an `Arc`.
 pub struct LvStore {
     pub(crate) shared: Arc<Shared>,
@@ -196,54 +128,6 @@ fn check_name(name: &str) -> Result<()> {
 
 pub(crate) fn check_name_pub(name: &str) -> Result<()> {
     check_name(name)
-}
-
-impl Shared {
-    pub(crate) fn md(&self) -> MutexGuard<'_, MdState> {
-        self.md.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn aq(&self) -> MutexGuard<'_, AllocQueue> {
-        self.alloc.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Queues the allocation of logical cluster `c` of `vol`; the waiter is told when done. The
-    /// caller holds `vol`'s state read lock and saw the cluster unallocated, so the worker
-    /// cannot have published it yet.
-    pub(crate) fn request_alloc(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
-        self.request(vol, c, w, false)
-    }
-
-    /// Queues the release of logical cluster `c` of `vol` (a whole-cluster discard); the
-    /// waiter is told when done. Requests for the same cluster share one entry, so a write
-    /// that finds the cluster already unmapped waits for the release and then allocates anew.
-    pub(crate) fn request_release(&self, vol: &Arc<Lvol>, c: u64, w: Waiter) -> AllocReq {
-        self.request(vol, c, w, true)
-    }
-
-    /// Adds `w` to the pending entry of (`vol`, `c`), queueing the work for the allocation
-    /// worker (a release or an allocation) when the entry is new.
-    fn request(&self, vol: &Arc<Lvol>, c: u64, w: Waiter, release: bool) -> AllocReq {
-        let mut q = self.aq();
-        if q.closed {
-            return AllocReq::Closed;
-        }
-        let key = (vol.id, c);
-        match q.pending.get_mut(&key) {
-            Some(ws) => ws.push(w),
-            None => {
-                q.pending.insert(key, vec![w]);
-                let work = (vol.clone(), c);
-                if release {
-                    q.releases.push(work);
-                } else {
-                    q.queue.push(work);
-                }
-                self.alloc_cv.notify_one();
-            }
-        }
-        AllocReq::Queued
-    }
 }
 
 /// Reads the two super block slots and picks the newest valid one.
