@@ -48,6 +48,11 @@ impl MallocDevice {
         if base == libc::MAP_FAILED {
             return Err(BdevError::io("mmap", std::io::Error::last_os_error()));
         }
+        // Transparent huge pages where the system allows them (`madvise` mode, the default):
+        // a random 4 KiB access then costs no page-table walk of its own. Only a hint: without
+        // THP the device works the same on small pages.
+        // SAFETY: `base`/`len` is the mapping just created; madvise does not change its contents.
+        unsafe { libc::madvise(base, len, libc::MADV_HUGEPAGE) };
         Ok(MallocDevice {
             inner: Arc::new(MallocInner {
                 base: base.cast(),
