@@ -206,6 +206,12 @@ fn pin_to_cpu(cpu: usize) {
 const WAKE_TOKEN: u64 = u64::MAX;
 /// The worker's QoS retry timer (armed only while a request waits for its budget).
 const TIMER_TOKEN: u64 = u64::MAX - 1;
+/// Requests taken in one batch before the completions so far are published and the driver
+/// notified ([`Worker::publish_early`]). Measured on a 2-vCPU VM with a libblkio driver at
+/// QD32 on a RAM bdev: 4 and 8 did best (1.5x the IOPS of publishing once per batch), 16 less;
+/// a wake-up of the driver costs a few microseconds there, so fewer would cost more than they
+/// bring.
+const EARLY_COMPLETION_BATCH: usize = 8;
 /// Shortest sleep of a queue waiting for its QoS budget (SPDK's QoS works in 1 ms timeslices
 /// too): at 10,000 IOPS one wake-up per ten requests instead of one per request.
 const QOS_MIN_NAP: Duration = Duration::from_millis(1);
@@ -663,6 +669,7 @@ impl Worker {
     /// Takes new requests from the available ring while slots are free.
     fn take(&mut self, i: usize, mem: &Arc<GuestMem>) -> bool {
         let mut took = false;
+        let mut taken = 0usize;
         let shared = self.shared.clone();
         // The device's properties once per batch, not per request, and not at all when the
         // ring is empty (a polling worker looks many times between requests).
@@ -757,6 +764,10 @@ impl Worker {
                     }
                     let info = info.get_or_insert_with(|| shared.dev.info());
                     self.dispatch(i, slot_idx, mem, info);
+                    taken += 1;
+                    if taken % EARLY_COMPLETION_BATCH == 0 {
+                        self.publish_early(i, mem);
+                    }
                 }
                 Err(e) => {
                     debug!(queue = q.ctx.index, head, "bad request: {e}");
@@ -772,6 +783,20 @@ impl Worker {
             }
         }
         took
+    }
+
+    /// In the middle of a long batch: submits what was taken so far, puts what has completed
+    /// in the used ring and notifies the driver, so that it reaps and submits again while the
+    /// rest of the batch is served. Without this, a driver that submits a whole queue depth
+    /// at once and sleeps until completions arrive would wait for the whole batch, then the
+    /// worker for the driver: the two would take turns instead of working at the same time.
+    fn publish_early(&mut self, i: usize, mem: &Arc<GuestMem>) {
+        if let Err(e) = self.queues[i].chan.commit() {
+            error!(queue = self.queues[i].ctx.index, "commit: {e}");
+        }
+        if self.reap(i, mem) {
+            self.notify(i, mem);
+        }
     }
 
     /// Starts (or continues) the device work of a parsed request.
