@@ -187,6 +187,23 @@ impl Drop for WorkerHandle {
     }
 }
 
+/// The driver's available index of `queue` (acquire: the ring entries before it are visible),
+/// read through one host pointer when the field lies in a mapped region, as it does for every
+/// driver we know; else through virtio-queue. `None` when it is not in guest memory.
+fn avail_idx(mem: &GuestMem, queue: &Queue) -> Option<u16> {
+    let addr = queue.avail_ring().checked_add(2)?;
+    match crate::host_range(mem, addr, 2) {
+        Some(p) if (p as usize) % std::mem::align_of::<std::sync::atomic::AtomicU16>() == 0 => {
+            // SAFETY: the two bytes lie inside a guest region that `mem` keeps mapped, and are
+            // aligned for an AtomicU16; the driver writes them concurrently, which an atomic
+            // load tolerates (virtio-queue reads the field the same way).
+            let idx = unsafe { &*p.cast::<std::sync::atomic::AtomicU16>() };
+            Some(u16::from_le(idx.load(Ordering::Acquire)))
+        }
+        _ => queue.avail_idx(mem, Ordering::Acquire).ok().map(|w| w.0),
+    }
+}
+
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only touch
     // that local set.
@@ -202,6 +219,9 @@ fn pin_to_cpu(cpu: usize) {
         }
     }
 }
+
+/// Polling turns without progress between two reads of the clock (see `Worker::run`).
+const IDLE_CLOCK_TURNS: u32 = 16;
 
 const WAKE_TOKEN: u64 = u64::MAX;
 /// The worker's QoS retry timer (armed only while a request waits for its budget).
@@ -277,7 +297,11 @@ impl Worker {
     /// hand back drained stops. `None` when the worker must exit, else the memory snapshot used
     /// and whether any queue made progress.
     fn turn(&mut self) -> Option<(Arc<GuestMem>, bool)> {
-        if self.pending.swap(false, Ordering::Acquire) && !self.handle_cmds() {
+        // A plain load first: the swap's locked write would cost every polling turn.
+        if self.pending.load(Ordering::Relaxed)
+            && self.pending.swap(false, Ordering::Acquire)
+            && !self.handle_cmds()
+        {
             return None;
         }
         if self.shared.poison.is_poisoned() {
@@ -328,6 +352,9 @@ impl Worker {
         // Start of the current stretch of turns without progress (clock read only then, not
         // on every busy turn).
         let mut idle_since: Option<Instant> = None;
+        // Turns without progress since the clock was last read: it is read every
+        // IDLE_CLOCK_TURNS of them, not on each (a clock read costs as much as a turn).
+        let mut idle_turns = 0u32;
         let mut notify_on = true;
         let poll = self.shared.poll;
         loop {
@@ -336,6 +363,7 @@ impl Worker {
             };
             if progress {
                 idle_since = None;
+                idle_turns = 0;
                 if !poll.is_zero() && notify_on {
                     for q in &mut self.queues {
                         let _ = q.ctx.queue.disable_notification(&*mem);
@@ -353,9 +381,16 @@ impl Worker {
             // returns: sleep on the timer rather than spin, so a throttled device does not
             // take the CPU its limit left to others.
             let throttled = self.queues.iter().any(|q| q.retry_at.is_some());
-            if must_spin || (!poll.is_zero() && !throttled && idle_start.elapsed() < poll) {
+            if must_spin {
                 std::hint::spin_loop();
                 continue;
+            }
+            if !poll.is_zero() && !throttled {
+                idle_turns += 1;
+                if idle_turns % IDLE_CLOCK_TURNS != 0 || idle_start.elapsed() < poll {
+                    std::hint::spin_loop();
+                    continue;
+                }
             }
             // Re-arm notifications before sleeping (with EVENT_IDX this publishes avail_event,
             // without which the driver would stop kicking), then look once more for requests
@@ -679,12 +714,17 @@ impl Worker {
         // once, with one message, instead.
         {
             let q = &mut self.queues[i];
-            if let Ok(avail) = q.ctx.queue.avail_idx(&**mem, Ordering::Acquire) {
-                let ahead = avail.0.wrapping_sub(q.ctx.queue.next_avail());
+            if let Some(avail) = avail_idx(mem, &q.ctx.queue) {
+                let ahead = avail.wrapping_sub(q.ctx.queue.next_avail());
+                if ahead == 0 && q.ctx.resubmit.is_empty() {
+                    // Nothing new: the common case of a polling worker, answered with one
+                    // load instead of virtio-queue's walk of guest memory.
+                    return false;
+                }
                 if ahead > q.ctx.queue.size() {
                     error!(
                         queue = q.ctx.index,
-                        avail = avail.0,
+                        avail,
                         next = q.ctx.queue.next_avail(),
                         "available index more than a ring ahead; queue stopped"
                     );
