@@ -93,10 +93,10 @@ async fn block_volume_lifecycle() {
     // Data path through the published socket.
     let s2 = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s2, false).unwrap();
+        let mut c = blk_client(&s2, false).unwrap();
         assert_eq!(c.capacity, 12 << 20);
-        assert_eq!(c.write(4096, &pattern(7, 65536)), 0);
-        assert_eq!(c.read(4096, 65536), pattern(7, 65536));
+        assert_eq!(c.write(0, 4096, &pattern(7, 65536)), 0);
+        assert_eq!(c.read_ok(0, 4096, 65536), pattern(7, 65536));
     })
     .await;
 
@@ -189,8 +189,8 @@ async fn block_volume_lifecycle() {
     e.node.node_publish_volume(req.clone()).await.unwrap();
     let s3 = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s3, false).unwrap();
-        assert_eq!(c.read(4096, 65536), pattern(7, 65536));
+        let mut c = blk_client(&s3, false).unwrap();
+        assert_eq!(c.read_ok(0, 4096, 65536), pattern(7, 65536));
     })
     .await;
     e.node
@@ -304,7 +304,7 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
 
     // The superblock is in the lvol; remember its UUID.
     let s = sock.clone();
-    let sb = blk(move || Blk::connect(&s, true).unwrap().read(0, 128 << 10)).await;
+    let sb = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 128 << 10)).await;
     assert_eq!(katablk_csi::format::probe_fs(&sb), Some("ext4"));
     let uuid = sb[0x468..0x478].to_vec();
 
@@ -322,7 +322,7 @@ async fn filesystem_volume_is_formatted_once_and_handed_to_kata() {
     let info = katablk_csi::kata::read_mount_info(&e.direct(), &tp).unwrap();
     assert!(info.options.contains(&"ro".to_string()));
     let s = sock.clone();
-    let sb2 = blk(move || Blk::connect(&s, true).unwrap().read(0, 128 << 10)).await;
+    let sb2 = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 128 << 10)).await;
     assert_eq!(&sb2[0x468..0x478], &uuid[..]);
     // Wrong fstype for an existing filesystem: FailedPrecondition.
     e.node
@@ -374,7 +374,9 @@ async fn snapshot_clone_expand() {
     let s = sock.clone();
     blk(move || {
         assert_eq!(
-            Blk::connect(&s, false).unwrap().write(0, &pattern(3, 8192)),
+            blk_client(&s, false)
+                .unwrap()
+                .write(0, 0, &pattern(3, 8192)),
             0
         )
     })
@@ -431,7 +433,9 @@ async fn snapshot_clone_expand() {
     let s = sock.clone();
     blk(move || {
         assert_eq!(
-            Blk::connect(&s, false).unwrap().write(0, &pattern(9, 8192)),
+            blk_client(&s, false)
+                .unwrap()
+                .write(0, 0, &pattern(9, 8192)),
             0
         )
     })
@@ -504,7 +508,7 @@ async fn snapshot_clone_expand() {
             .await
             .unwrap();
         let s = e.store().join("block/sockets").join(ctrlr(vol));
-        let data = blk(move || Blk::connect(&s, true).unwrap().read(0, 8192)).await;
+        let data = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 8192)).await;
         assert_eq!(data, pattern(want, 8192), "{vol}");
         e.node
             .node_unpublish_volume(unpublish_req(vol, &t))
@@ -541,7 +545,7 @@ async fn snapshot_clone_expand() {
         .into_inner();
     assert_eq!(nx.capacity_bytes, 20 << 20);
     let s = sock.clone();
-    let cap = blk(move || Blk::connect(&s, true).unwrap().capacity).await;
+    let cap = blk(move || blk_client(&s, true).unwrap().capacity).await;
     assert_eq!(cap, 20 << 20);
 
     // Pagination over the volumes.
@@ -703,9 +707,9 @@ async fn target_restart_is_reconciled() {
     let sock = e.store().join("block/sockets").join(&name);
     let s = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s, false).unwrap();
-        assert_eq!(c.write(0, &pattern(5, 4096)), 0);
-        c.q[0].flush(0, blkio::ReqFlags::empty());
+        let mut c = blk_client(&s, false).unwrap();
+        assert_eq!(c.write(0, 0, &pattern(5, 4096)), 0);
+        c.queues[0].flush(0, blkio::ReqFlags::empty());
     })
     .await;
 
@@ -786,7 +790,7 @@ async fn target_restart_is_reconciled() {
     let again = katablk_csi::reconcile::reconcile(&e.driver).await.unwrap();
     assert_eq!(again, Default::default());
     let s = sock.clone();
-    let data = blk(move || Blk::connect(&s, false).unwrap().read(0, 4096)).await;
+    let data = blk(move || blk_client(&s, false).unwrap().read_ok(0, 0, 4096)).await;
     assert_eq!(data, pattern(5, 4096));
     assert!(katablk_csi::mounts::is_mount_point(&tp).unwrap());
     let cond = e
@@ -1247,13 +1251,13 @@ async fn new_thick_volume_reads_zeros_over_reused_clusters() {
             .unwrap();
         let s = e.store().join("block/sockets").join(ctrlr(&v.volume_id));
         blk(move || {
-            let mut c = Blk::connect(&s, false).unwrap();
+            let mut c = blk_client(&s, false).unwrap();
             for off in (0..c.capacity).step_by(1 << 20) {
-                let got = c.read(off, 1 << 20);
+                let got = c.read_ok(0, off, 1 << 20);
                 if round == 1 {
                     assert!(got.iter().all(|b| *b == 0), "stale data at {off}");
                 }
-                assert_eq!(c.write(off, &pattern(round + 1, 1 << 20)), 0);
+                assert_eq!(c.write(0, off, &pattern(round + 1, 1 << 20)), 0);
             }
         })
         .await;
@@ -1291,7 +1295,7 @@ async fn unpublish_with_a_connected_client_is_refused_then_retried() {
     let sock = e.store().join("block/sockets").join(&name);
     let dev = e.store().join("block/devices").join(&name);
     let s = sock.clone();
-    let client = blk(move || Blk::connect(&s, false).unwrap()).await;
+    let client = blk(move || blk_client(&s, false).unwrap()).await;
     assert_eq!(
         code(
             e.node

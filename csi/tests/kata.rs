@@ -202,7 +202,7 @@ fn go_runtime_resolves(e: &Env, tp: &Path, sandbox: &str) -> (PathBuf, GoMountIn
 
 async fn fs_on(sock: &Path) -> Option<&'static str> {
     let s = sock.to_path_buf();
-    let sb = blk(move || Blk::connect(&s, true).unwrap().read(0, 128 << 10)).await;
+    let sb = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 128 << 10)).await;
     katablk_csi::format::probe_fs(&sb)
 }
 
@@ -422,8 +422,8 @@ async fn runtime_rs_raw_block_is_left_unformatted() {
     assert_eq!(fs_on(&sock).await, None);
     let s = sock.clone();
     blk(move || {
-        let mut b = Blk::connect(&s, false).unwrap();
-        assert_eq!(b.write(0, &pattern(7, 4096)), 0);
+        let mut b = blk_client(&s, false).unwrap();
+        assert_eq!(b.write(0, 0, &pattern(7, 4096)), 0);
     })
     .await;
     // Publishing again keeps the data (never formatted over).
@@ -439,7 +439,7 @@ async fn runtime_rs_raw_block_is_left_unformatted() {
         .collect();
     e.node.node_publish_volume(pr).await.unwrap();
     let s = sock.clone();
-    let head = blk(move || Blk::connect(&s, true).unwrap().read(0, 4096)).await;
+    let head = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 4096)).await;
     assert_eq!(head, pattern(7, 4096));
     assert!(e
         .driver

@@ -312,9 +312,9 @@ async fn metrics_report_time_spent_throttled_per_volume() {
     // 3 MiB at 1 MB/s: the limited volume waits about two seconds; the free one not at all.
     for s in socks.clone() {
         blk(move || {
-            let mut c = Blk::connect(&s, false).unwrap();
+            let mut c = blk_client(&s, false).unwrap();
             for i in 0..3u64 {
-                assert_eq!(c.write(i << 20, &pattern(i as u8, 1 << 20)), 0);
+                assert_eq!(c.write(0, i << 20, &pattern(i as u8, 1 << 20)), 0);
             }
         })
         .await;

@@ -113,10 +113,10 @@ async fn node_flow_on_spdk_vhost() {
     // Data through the published socket (libblkio with 2 MiB-aligned hugepage buffers).
     let s = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s, false).unwrap();
+        let mut c = blk_client(&s, false).unwrap();
         assert_eq!(c.capacity, 12 << 20);
-        assert_eq!(c.write(4096, &pattern(7, 1 << 20)), 0);
-        assert_eq!(c.read(4096, 1 << 20), pattern(7, 1 << 20));
+        assert_eq!(c.write(0, 4096, &pattern(7, 1 << 20)), 0);
+        assert_eq!(c.read_ok(0, 4096, 1 << 20), pattern(7, 1 << 20));
     })
     .await;
 
@@ -156,10 +156,10 @@ async fn node_flow_on_spdk_vhost() {
     assert_eq!(nx.capacity_bytes, 20 << 20);
     let s = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s, false).unwrap();
+        let mut c = blk_client(&s, false).unwrap();
         assert_eq!(c.capacity, 20 << 20);
-        assert_eq!(c.read(4096, 1 << 20), pattern(7, 1 << 20));
-        assert_eq!(c.write(16 << 20, &pattern(8, 4096)), 0);
+        assert_eq!(c.read_ok(0, 4096, 1 << 20), pattern(7, 1 << 20));
+        assert_eq!(c.write(0, 16 << 20, &pattern(8, 4096)), 0);
     })
     .await;
     let st = e
@@ -194,10 +194,10 @@ async fn node_flow_on_spdk_vhost() {
     assert_eq!(rep.restored, vec![name.clone()]);
     let s = sock.clone();
     blk(move || {
-        let mut c = Blk::connect(&s, false).unwrap();
+        let mut c = blk_client(&s, false).unwrap();
         assert_eq!(c.capacity, 20 << 20);
-        assert_eq!(c.read(4096, 1 << 20), pattern(7, 1 << 20));
-        assert_eq!(c.read(16 << 20, 4096), pattern(8, 4096));
+        assert_eq!(c.read_ok(0, 4096, 1 << 20), pattern(7, 1 << 20));
+        assert_eq!(c.read_ok(0, 16 << 20, 4096), pattern(8, 4096));
     })
     .await;
     assert!(katablk_csi::mounts::is_mount_point(&tp).unwrap());
@@ -243,9 +243,9 @@ async fn node_flow_on_spdk_vhost() {
         .join("block/sockets")
         .join(ctrlr(&restored.volume_id));
     blk(move || {
-        let mut c = Blk::connect(&s, true).unwrap();
-        assert_eq!(c.read(4096, 1 << 20), pattern(7, 1 << 20));
-        assert_eq!(c.read(16 << 20, 4096), pattern(8, 4096));
+        let mut c = blk_client(&s, true).unwrap();
+        assert_eq!(c.read_ok(0, 4096, 1 << 20), pattern(7, 1 << 20));
+        assert_eq!(c.read_ok(0, 16 << 20, 4096), pattern(8, 4096));
     })
     .await;
     e.node
@@ -271,7 +271,7 @@ async fn node_flow_on_spdk_vhost() {
     // NodeUnpublishVolume while a client is connected: refused within the grace period (SPDK
     // itself would keep the RPC pending until the client goes), controller and socket kept.
     let s = sock.clone();
-    let client = blk(move || Blk::connect(&s, false).unwrap()).await;
+    let client = blk(move || blk_client(&s, false).unwrap()).await;
     let t0 = std::time::Instant::now();
     assert_eq!(
         code(
@@ -343,7 +343,7 @@ async fn node_flow_on_spdk_vhost() {
         assert_eq!(info.volume_type, "spdkvol");
         assert_eq!(info.device, fsock.display().to_string());
         let s = fsock.clone();
-        let sb = blk(move || Blk::connect(&s, true).unwrap().read(0, 128 << 10)).await;
+        let sb = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 128 << 10)).await;
         assert_eq!(katablk_csi::format::probe_fs(&sb), Some("ext4"));
         e.node
             .node_unpublish_volume(unpublish_req(&fv.volume_id, &tpf))

@@ -94,9 +94,9 @@ fn sockets_metrics_and_pinning() {
     assert!(!seen.is_empty(), "no queue workers found");
     assert!(seen.iter().all(|l| l.ends_with("\t0")), "{seen:?}");
     // I/O shows up in the metrics.
-    let mut c = Blk::connect(&sock).unwrap();
+    let mut c = Client::connect(&sock, 1, false).unwrap();
     for i in 0..10u64 {
-        assert_eq!(c.write(i * 4096, &fill(i, 4096)), 0);
+        assert_eq!(c.write(0, i * 4096, &fill(i, 4096)), 0);
     }
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -183,7 +183,7 @@ fn sessions_reported_and_delete_refused_while_connected() {
         }),
     )
     .unwrap();
-    let c = Blk::connect(&t.ctrlr_socket("c")).unwrap();
+    let c = Client::connect(&t.ctrlr_socket("c"), 1, false).unwrap();
     let list = r.block_on(rpc.vhost_get_controllers(Some("c"))).unwrap();
     assert_eq!(list[0].sessions.len(), 1);
     assert!(list[0].sessions[0].started);

@@ -17,7 +17,6 @@ mod common;
 mod raw;
 
 use std::io::{Read, Write};
-use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -25,8 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blkio::{Completion, ReqFlags};
-use common::{fill, Blk, Target};
+use blkio::ReqFlags;
+use common::{fill, Client, Target};
 use raw::*;
 use serde_json::{json, Value};
 
@@ -65,36 +64,27 @@ fn rpc(sock: &Path, method: &str, params: Option<Value>) -> Result<Value, Value>
     }
 }
 
-/// Waits for one request of `c`; None if it did not complete within 30 s.
-fn wait1(c: &mut Blk) -> Option<i32> {
-    let mut done = [MaybeUninit::<Completion>::uninit()];
-    let mut t = Duration::from_secs(30);
-    let n = c.q.do_io(&mut done, 1, Some(&mut t), None).ok()?;
-    // SAFETY: do_io initialised `n` completions.
-    (n == 1).then(|| unsafe { done[0].assume_init_ref() }.ret)
-}
-
 /// Writes `data` at `off` and reads it back; Err says what went wrong.
-fn write_read(c: &mut Blk, off: u64, data: &[u8]) -> Result<(), String> {
-    let p = c.region.addr as *mut u8;
-    // SAFETY: the region is ours and 4 MiB long; `data` is at most 64 KiB.
+fn write_read(c: &mut Client, off: u64, data: &[u8]) -> Result<(), String> {
+    let p = c.buf();
+    // SAFETY: the region is ours and 8 MiB long; `data` is at most 64 KiB.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
-    c.q.write(off, p, data.len(), 0, ReqFlags::empty());
-    match wait1(c) {
+    c.queues[0].write(off, p, data.len(), 0, ReqFlags::empty());
+    match c.try_wait1(0) {
         Some(0) => {}
         r => return Err(format!("write at {off}: {r:?}")),
     }
     read_check(c, off, data)
 }
 
-fn read_check(c: &mut Blk, off: u64, data: &[u8]) -> Result<(), String> {
+fn read_check(c: &mut Client, off: u64, data: &[u8]) -> Result<(), String> {
     // Read into the second MiB of the region, so a read that did nothing cannot pass.
-    // SAFETY: 1 MiB + 64 KiB stays within the 4 MiB region.
-    let p = unsafe { (c.region.addr as *mut u8).add(1 << 20) };
+    // SAFETY: 1 MiB + 64 KiB stays within the 8 MiB region.
+    let p = unsafe { c.buf().add(1 << 20) };
     // SAFETY: as above; clears the target buffer.
     unsafe { std::ptr::write_bytes(p, 0xa5, data.len()) };
-    c.q.read(off, p, data.len(), 0, ReqFlags::empty());
-    match wait1(c) {
+    c.queues[0].read(off, p, data.len(), 0, ReqFlags::empty());
+    match c.try_wait1(0) {
         Some(0) => {}
         r => return Err(format!("read at {off}: {r:?}")),
     }
@@ -135,7 +125,7 @@ impl Neighbour {
             *l.lock().unwrap() = msg;
         };
         let thread = std::thread::spawn(move || {
-            let mut c = Blk::connect(&sock).unwrap();
+            let mut c = Client::connect(&sock, 1, false).unwrap();
             let mut written = vec![None; SLOTS as usize];
             let mut round = 0u64;
             while !s.load(Ordering::Relaxed) {
@@ -286,7 +276,7 @@ impl Bench {
         self.round += 1;
         let t = Instant::now();
         let mut c = loop {
-            match Blk::connect(&self.a) {
+            match Client::connect(&self.a, 1, false) {
                 Ok(c) => break c,
                 Err(e) if t.elapsed() < Duration::from_secs(30) => {
                     eprintln!("{what}: client of A: {e}; retrying");
@@ -303,7 +293,8 @@ impl Bench {
             eprintln!("{what}: fresh client of A: {e}; trying a second one");
             drop(c);
             std::thread::sleep(Duration::from_millis(200));
-            c = Blk::connect(&self.a).unwrap_or_else(|e| panic!("{what}: client of A: {e}"));
+            c = Client::connect(&self.a, 1, false)
+                .unwrap_or_else(|e| panic!("{what}: client of A: {e}"));
             write_read(&mut c, off, &data)
                 .unwrap_or_else(|e| panic!("{what}: fresh client of A: {e}"));
         }

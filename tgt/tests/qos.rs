@@ -54,11 +54,11 @@ fn code(r: Result<bool, RpcError>) -> i32 {
 }
 
 /// 4 KiB reads, one at a time, for `dur`; returns how many completed.
-fn reads_for(blk: &mut Blk, dur: Duration) -> u64 {
+fn reads_for(blk: &mut Client, dur: Duration) -> u64 {
     let t0 = Instant::now();
     let mut n = 0;
     while t0.elapsed() < dur {
-        blk.read((n % 64) * 4096, 4096);
+        blk.read_ok(0, (n % 64) * 4096, 4096);
         n += 1;
     }
     n
@@ -136,7 +136,7 @@ fn limits_are_checked_reported_applied_live_and_kept() {
     assert_eq!(limits(&rpc, "lvs0/vol"), RateLimits::default());
 
     // A guest already running: unlimited first.
-    let mut blk = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
+    let mut blk = Client::connect(&t.ctrlr_socket("ctrlr0"), 1, false).unwrap();
     let free = reads_for(&mut blk, Duration::from_millis(500));
     // 1000 I/Os per second, set while it runs, on the lvol only.
     assert!(set(
@@ -213,7 +213,7 @@ fn limits_are_checked_reported_applied_live_and_kept() {
     let rpc = client(&t);
     let got = limits(&rpc, "lvs0/vol");
     assert_eq!((got.rw_ios_per_sec, got.r_mbytes_per_sec), (2000, 10));
-    let mut blk = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
+    let mut blk = Client::connect(&t.ctrlr_socket("ctrlr0"), 1, false).unwrap();
     let t0 = Instant::now();
     let n = reads_for(&mut blk, Duration::from_millis(800));
     let secs = t0.elapsed().as_secs_f64();
@@ -289,7 +289,7 @@ fn a_group_shares_one_budget_and_is_kept() {
             .into_iter()
             .map(|s| {
                 std::thread::spawn(move || {
-                    let mut b = Blk::connect(&s).unwrap();
+                    let mut b = Client::connect(&s, 1, false).unwrap();
                     reads_for(&mut b, dur)
                 })
             })

@@ -70,11 +70,11 @@ fn state_dir_restart_brings_back_controllers_and_data() {
     let rpc = RpcClient::new(&t.rpc);
     let uuid = provision(&rpc, &img, true);
     let sock = t.ctrlr_socket("ctrlr0");
-    let mut c = Blk::connect(&sock).unwrap();
+    let mut c = Client::connect(&sock, 1, false).unwrap();
     for i in 0..8u64 {
-        assert_eq!(c.write(i << 20, &fill(i, 131072)), 0);
+        assert_eq!(c.write(0, i << 20, &fill(i, 131072)), 0);
     }
-    assert_eq!(c.flush(), 0);
+    assert_eq!(c.flush(0), 0);
     // Crash the target under a connected client.
     t.kill9();
     drop(c);
@@ -93,16 +93,16 @@ fn state_dir_restart_brings_back_controllers_and_data() {
         Some(uuid.as_str())
     );
     // The client reconnects to the same socket and finds its data.
-    let mut c = Blk::connect(&sock).unwrap();
+    let mut c = Client::connect(&sock, 1, false).unwrap();
     for i in 0..8u64 {
-        assert_eq!(c.read(i << 20, 131072), fill(i, 131072), "write {i}");
+        assert_eq!(c.read_ok(0, i << 20, 131072), fill(i, 131072), "write {i}");
     }
     drop(c);
     // A clean stop and start works the same way.
     assert!(t.term().success());
     t.spawn();
-    let mut c = Blk::connect(&sock).unwrap();
-    assert_eq!(c.read(7 << 20, 131072), fill(7, 131072));
+    let mut c = Client::connect(&sock, 1, false).unwrap();
+    assert_eq!(c.read_ok(0, 7 << 20, 131072), fill(7, 131072));
 }
 
 #[test]
@@ -120,12 +120,12 @@ fn kill9_mid_write_keeps_flushed_data() {
     let stop = Arc::new(AtomicBool::new(false));
     let (f2, s2, sock2) = (flushed.clone(), stop.clone(), sock.clone());
     let writer = std::thread::spawn(move || {
-        let mut c = Blk::connect(&sock2).unwrap();
+        let mut c = Client::connect(&sock2, 1, false).unwrap();
         for round in 1..=30u64 {
             if s2.load(Ordering::Relaxed) {
                 break;
             }
-            if c.write(round << 20, &fill(round, 65536)) != 0 || c.flush() != 0 {
+            if c.write(0, round << 20, &fill(round, 65536)) != 0 || c.flush(0) != 0 {
                 break;
             }
             f2.store(round, Ordering::Release);
@@ -143,10 +143,10 @@ fn kill9_mid_write_keeps_flushed_data() {
         .block_on(rpc.bdev_lvol_get_lvstores(&LvstoreSelector::default()))
         .unwrap();
     assert_eq!(lvs.len(), 1, "{}", t.log());
-    let mut c = Blk::connect(&sock).unwrap();
+    let mut c = Client::connect(&sock, 1, false).unwrap();
     for round in 1..=done {
         assert_eq!(
-            c.read(round << 20, 65536),
+            c.read_ok(0, round << 20, 65536),
             fill(round, 65536),
             "round {round} of {done}"
         );
@@ -239,9 +239,9 @@ fn snapshot_clone_resize_through_the_target() {
     let rpc = RpcClient::new(&t.rpc);
     provision(&rpc, &img, false);
     let sock = t.ctrlr_socket("ctrlr0");
-    let mut c = Blk::connect(&sock).unwrap();
-    assert_eq!(c.write(0, &fill(1, 65536)), 0);
-    assert_eq!(c.flush(), 0);
+    let mut c = Client::connect(&sock, 1, false).unwrap();
+    assert_eq!(c.write(0, 0, &fill(1, 65536)), 0);
+    assert_eq!(c.flush(0), 0);
     drop(c);
     let r = rt();
     let snap = r
@@ -252,9 +252,9 @@ fn snapshot_clone_resize_through_the_target() {
         .unwrap();
     assert_ne!(snap, clone);
     // The origin keeps working and diverges from the snapshot; the clone sees the snapshot.
-    let mut c = Blk::connect(&sock).unwrap();
-    assert_eq!(c.read(0, 65536), fill(1, 65536));
-    assert_eq!(c.write(0, &fill(2, 65536)), 0);
+    let mut c = Client::connect(&sock, 1, false).unwrap();
+    assert_eq!(c.read_ok(0, 0, 65536), fill(1, 65536));
+    assert_eq!(c.write(0, 0, &fill(2, 65536)), 0);
     drop(c);
     r.block_on(
         rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
@@ -264,8 +264,8 @@ fn snapshot_clone_resize_through_the_target() {
         }),
     )
     .unwrap();
-    let mut cc = Blk::connect(&t.ctrlr_socket("clonectl")).unwrap();
-    assert_eq!(cc.read(0, 65536), fill(1, 65536));
+    let mut cc = Client::connect(&t.ctrlr_socket("clonectl"), 1, false).unwrap();
+    assert_eq!(cc.read_ok(0, 0, 65536), fill(1, 65536));
     drop(cc);
     // Snapshot bdev info and clone relationships as SPDK reports them.
     let b = r.block_on(rpc.bdev_get_bdevs(Some("lvs0/snap"))).unwrap();
@@ -277,7 +277,7 @@ fn snapshot_clone_resize_through_the_target() {
     assert!(e.to_string().contains("not permitted"), "{e}");
     // Resize the origin: a new client sees the new capacity.
     r.block_on(rpc.bdev_lvol_resize("lvs0/vol", 64)).unwrap();
-    let c = Blk::connect(&sock).unwrap();
+    let c = Client::connect(&sock, 1, false).unwrap();
     assert_eq!(c.capacity, 64 << 20);
     drop(c);
     // Inflate the clone; delete it with its controller gone.

@@ -68,9 +68,9 @@ fn provision(t: &Target, img: &Path) -> String {
         .await
         .unwrap();
     });
-    let mut c = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
-    assert_eq!(c.write(4096, &fill(7, 65536)), 0);
-    assert_eq!(c.flush(), 0);
+    let mut c = Client::connect(&t.ctrlr_socket("ctrlr0"), 1, false).unwrap();
+    assert_eq!(c.write(0, 4096, &fill(7, 65536)), 0);
+    assert_eq!(c.flush(0), 0);
     drop(c);
     let b = rt().block_on(rpc.bdev_get_bdevs(Some("aio0"))).unwrap();
     b[0].uuid.clone().unwrap()
@@ -94,8 +94,8 @@ fn assert_back(t: &Target, uuid: &str) {
     let c = r.block_on(rpc.vhost_get_controllers(None)).unwrap();
     assert_eq!(c.len(), 1, "{c:?}");
     assert!(unrestored(t).is_empty());
-    let mut blk = Blk::connect(&t.ctrlr_socket("ctrlr0")).unwrap();
-    assert_eq!(blk.read(4096, 65536), fill(7, 65536));
+    let mut blk = Client::connect(&t.ctrlr_socket("ctrlr0"), 1, false).unwrap();
+    assert_eq!(blk.read_ok(0, 4096, 65536), fill(7, 65536));
 }
 
 #[test]

@@ -66,14 +66,14 @@ fn design_flow_verbatim_then_data_path() {
     assert_eq!(bdevs[0]["driver_specific"]["lvol"]["base_bdev"], "aio0");
 
     // The data path: a real vhost-user client on the controller socket.
-    let mut c = Blk::connect(&t.ctrlr_socket("vhostblk0")).unwrap();
+    let mut c = Client::connect(&t.ctrlr_socket("vhostblk0"), 1, false).unwrap();
     assert_eq!(c.capacity, 64 << 20);
     for i in 0..16u64 {
-        assert_eq!(c.write((i * 4) << 20, &fill(i, 65536)), 0);
+        assert_eq!(c.write(0, (i * 4) << 20, &fill(i, 65536)), 0);
     }
-    assert_eq!(c.flush(), 0);
+    assert_eq!(c.flush(0), 0);
     for i in 0..16u64 {
-        assert_eq!(c.read((i * 4) << 20, 65536), fill(i, 65536));
+        assert_eq!(c.read_ok(0, (i * 4) << 20, 65536), fill(i, 65536));
     }
     drop(c);
 

@@ -1,6 +1,6 @@
 //! Test harness: a real `katablk-target` child process, the driver served in-process on a unix
-//! socket, a tonic client over that socket, and a libblkio client for the data path.
-#![allow(clippy::unwrap_used, dead_code)]
+//! socket, a tonic client over that socket, and the shared libblkio client for the data path.
+#![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
 
 use katablk_csi::kubelet_lock::LockMode;
 use std::collections::HashMap;
@@ -9,12 +9,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use katablk_csi::csi::{
     self, controller_client::ControllerClient, identity_client::IdentityClient,
     node_client::NodeClient, volume_capability as vc,
 };
 use katablk_csi::{Config, Driver, Mode};
+pub use katablk_test_support::blk::{self, Client};
 use tonic::transport::Channel;
 
 /// Finds the katablk-target binary built by `cargo build --workspace` (or `-p katablk-target`).
@@ -371,64 +371,18 @@ pub fn unpublish_req(vol: &str, target: &Path) -> csi::NodeUnpublishVolumeReques
     }
 }
 
-/// A libblkio vhost-user-blk client. Its buffer is a 2 MiB-aligned hugepage memfd when there are
-/// free hugepages (SPDK's vhost needs that; see `katablk_bdev::shm`), else libblkio's own.
-pub struct Blk {
-    pub b: Blkio,
-    pub q: Vec<Blkioq>,
-    pub region: MemoryRegion,
-    pub capacity: u64,
-    /// Backs `region` when it is ours; dropped after `b` (fields drop in order).
-    pub shm: Option<katablk_bdev::shm::SharedRegion>,
-}
-
-impl Blk {
-    pub fn connect(socket: &Path, read_only: bool) -> Result<Blk, blkio::Error> {
-        let mut b = Blkio::new("virtio-blk-vhost-user")?;
-        b.set_str("path", socket.to_str().unwrap())?;
-        b.set_bool("read-only", read_only)?;
-        b.connect()?;
-        b.set_i32("num-queues", 1)?;
-        b.set_i32("queue-size", 256)?;
-        let out = b.start()?;
-        let capacity = b.get_u64("capacity")?;
-        let (region, shm) = katablk_csi::format::client_buffer(&mut b, 1 << 20)?;
-        b.map_mem_region(&region)?;
-        Ok(Blk {
-            b,
-            q: out.queues,
-            region,
-            capacity,
-            shm,
-        })
-    }
-
-    fn wait(&mut self) -> i32 {
-        let mut c = [std::mem::MaybeUninit::<Completion>::uninit()];
-        let mut t = Duration::from_secs(30);
-        let n = self.q[0].do_io(&mut c, 1, Some(&mut t), None).unwrap();
-        assert_eq!(n, 1, "request timed out");
-        // SAFETY: do_io initialised one completion.
-        unsafe { c[0].assume_init_ref() }.ret
-    }
-
-    pub fn write(&mut self, off: u64, data: &[u8]) -> i32 {
-        let buf = self.region.addr as *mut u8;
-        // SAFETY: the region is ours and at least data.len() (≤ 1 MiB) long.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len()) };
-        self.q[0].write(off, buf, data.len(), 0, ReqFlags::empty());
-        self.wait()
-    }
-
-    pub fn read(&mut self, off: u64, len: usize) -> Vec<u8> {
-        let buf = self.region.addr as *mut u8;
-        self.q[0].read(off, buf, len, 0, ReqFlags::empty());
-        assert_eq!(self.wait(), 0, "read failed");
-        let mut v = vec![0u8; len];
-        // SAFETY: the region holds `len` bytes just read.
-        unsafe { std::ptr::copy_nonoverlapping(buf, v.as_mut_ptr(), len) };
-        v
-    }
+/// A libblkio client of a controller, as the tests here use it: one queue, and a 2 MiB-aligned
+/// hugepage buffer when there are free hugepages (SPDK's vhost needs that; see
+/// `katablk_bdev::shm`), else libblkio's own.
+pub fn blk_client(socket: &Path, read_only: bool) -> Result<Client, blkio::Error> {
+    Client::connect_with(
+        socket,
+        &blk::Options {
+            read_only,
+            buffer: blk::Buffer::Aligned(1 << 20),
+            ..blk::Options::default()
+        },
+    )
 }
 
 /// Runs a blocking libblkio closure off the async runtime.

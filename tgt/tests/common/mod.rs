@@ -1,13 +1,12 @@
 //! Helpers: run `katablk-target` as a child, drive it with SPDK's `spdk-rpc` and with
-//! `katablk-rpc`, and check controllers' data with libblkio.
-#![allow(clippy::unwrap_used, dead_code)]
+//! `katablk-rpc`, and check controllers' data with the shared libblkio client.
+#![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
 
-use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+pub use katablk_test_support::blk::Client;
 
 pub struct Target {
     pub child: Option<Child>,
@@ -131,63 +130,6 @@ pub fn spdk_rpc_ok(bin: &Path, sock: &Path, args: &[&str]) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).trim().to_string()
-}
-
-/// A libblkio vhost-user client with a 4 MiB buffer.
-pub struct Blk {
-    pub b: Blkio,
-    pub q: Blkioq,
-    pub region: MemoryRegion,
-    pub capacity: u64,
-}
-
-impl Blk {
-    pub fn connect(sock: &Path) -> Result<Blk, blkio::Error> {
-        let mut b = Blkio::new("virtio-blk-vhost-user")?;
-        b.set_str("path", sock.to_str().unwrap())?;
-        b.connect()?;
-        b.set_i32("num-queues", 1)?;
-        let mut out = b.start()?;
-        let capacity = b.get_u64("capacity")?;
-        let region = b.alloc_mem_region(4 << 20)?;
-        b.map_mem_region(&region)?;
-        Ok(Blk {
-            q: out.queues.remove(0),
-            b,
-            region,
-            capacity,
-        })
-    }
-
-    fn wait(&mut self) -> i32 {
-        let mut c = [MaybeUninit::<Completion>::uninit()];
-        let mut t = Duration::from_secs(30);
-        let n = self.q.do_io(&mut c, 1, Some(&mut t), None).unwrap();
-        assert_eq!(n, 1);
-        // SAFETY: do_io initialised it.
-        unsafe { c[0].assume_init_ref() }.ret
-    }
-
-    pub fn write(&mut self, off: u64, data: &[u8]) -> i32 {
-        let p = self.region.addr as *mut u8;
-        // SAFETY: the region is ours and 4 MiB long.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
-        self.q.write(off, p, data.len(), 0, ReqFlags::empty());
-        self.wait()
-    }
-
-    pub fn read(&mut self, off: u64, len: usize) -> Vec<u8> {
-        let p = self.region.addr as *mut u8;
-        self.q.read(off, p, len, 0, ReqFlags::empty());
-        assert_eq!(self.wait(), 0, "read {len}@{off}");
-        // SAFETY: `len` bytes were just read into the region.
-        unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
-    }
-
-    pub fn flush(&mut self) -> i32 {
-        self.q.flush(0, ReqFlags::empty());
-        self.wait()
-    }
 }
 
 pub fn fill(seed: u64, len: usize) -> Vec<u8> {

@@ -1,11 +1,12 @@
-//! Test helpers: run `katablk-vhost` as a child process and drive it with libblkio.
-#![allow(clippy::unwrap_used, dead_code)]
+//! Test helpers: run `katablk-vhost` as a child process and drive it with the shared libblkio
+//! client.
+#![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+pub use katablk_test_support::blk::Client;
 
 /// A running `katablk-vhost`.
 pub struct Server {
@@ -79,96 +80,6 @@ pub fn wait_for_socket(p: &Path, child: &mut Child) {
         std::thread::sleep(Duration::from_millis(10));
     }
     panic!("socket {} did not appear", p.display());
-}
-
-/// A libblkio client with one memory region used as I/O buffer space.
-pub struct Client {
-    pub blkio: Blkio,
-    pub queues: Vec<Blkioq>,
-    pub region: MemoryRegion,
-    pub capacity: u64,
-}
-
-impl Client {
-    pub fn connect(
-        socket: &Path,
-        num_queues: i32,
-        read_only: bool,
-    ) -> Result<Client, blkio::Error> {
-        let mut b = Blkio::new("virtio-blk-vhost-user")?;
-        b.set_str("path", socket.to_str().unwrap())?;
-        b.set_bool("read-only", read_only)?;
-        b.connect()?;
-        b.set_i32("num-queues", num_queues)?;
-        b.set_i32("queue-size", 256)?;
-        let out = b.start()?;
-        let capacity = b.get_u64("capacity")?;
-        let region = b.alloc_mem_region(8 << 20)?;
-        b.map_mem_region(&region)?;
-        Ok(Client {
-            blkio: b,
-            queues: out.queues,
-            region,
-            capacity,
-        })
-    }
-
-    pub fn buf(&self) -> *mut u8 {
-        self.region.addr as *mut u8
-    }
-
-    /// Waits for one request on queue `q`; returns its `ret`.
-    pub fn wait1(&mut self, q: usize) -> i32 {
-        let mut c = [std::mem::MaybeUninit::<Completion>::uninit()];
-        let mut t = Duration::from_secs(30);
-        let n = self.queues[q].do_io(&mut c, 1, Some(&mut t), None).unwrap();
-        assert_eq!(n, 1, "request timed out");
-        // SAFETY: do_io initialised one completion.
-        unsafe { c[0].assume_init_ref() }.ret
-    }
-
-    pub fn write(&mut self, q: usize, off: u64, data: &[u8]) -> i32 {
-        assert!(data.len() <= self.region.len);
-        // SAFETY: the region is ours and at least data.len() long.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf(), data.len()) };
-        let buf = self.buf();
-        self.queues[q].write(off, buf, data.len(), 0, ReqFlags::empty());
-        self.wait1(q)
-    }
-
-    pub fn read(&mut self, q: usize, off: u64, len: usize) -> Result<Vec<u8>, i32> {
-        assert!(len <= self.region.len);
-        let buf = self.buf();
-        self.queues[q].read(off, buf, len, 0, ReqFlags::empty());
-        let r = self.wait1(q);
-        if r != 0 {
-            return Err(r);
-        }
-        let mut v = vec![0u8; len];
-        // SAFETY: the region holds `len` bytes just read.
-        unsafe { std::ptr::copy_nonoverlapping(buf, v.as_mut_ptr(), len) };
-        Ok(v)
-    }
-
-    pub fn flush(&mut self, q: usize) -> i32 {
-        self.queues[q].flush(0, ReqFlags::empty());
-        self.wait1(q)
-    }
-
-    pub fn discard(&mut self, q: usize, off: u64, len: u64) -> i32 {
-        self.queues[q].discard(off, len, 0, ReqFlags::empty());
-        self.wait1(q)
-    }
-
-    pub fn write_zeroes(&mut self, q: usize, off: u64, len: u64, unmap: bool) -> i32 {
-        let flags = if unmap {
-            ReqFlags::empty()
-        } else {
-            ReqFlags::NO_UNMAP
-        };
-        self.queues[q].write_zeroes(off, len, 0, flags);
-        self.wait1(q)
-    }
 }
 
 /// A deterministic pattern for (offset, len, seed).
