@@ -5,8 +5,10 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use katablk_test_support::Daemon;
 
 const BENCH: &str = env!("CARGO_BIN_EXE_katablk-bench");
 const SUMMARY: &str = env!("CARGO_BIN_EXE_katablk-bench-summary");
@@ -23,18 +25,9 @@ fn find_qsd() -> Option<PathBuf> {
     })
 }
 
-/// Kills the server when the test ends, however it ends.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_qsd(qsd: &Path, img: &Path, sock: &Path) -> Server {
-    let child = Command::new(qsd)
+/// qemu-storage-daemon exporting `img` on `sock`; killed when the test ends, however it ends.
+fn start_qsd(qsd: &Path, img: &Path, sock: &Path) -> Daemon {
+    Daemon::new(qsd)
         .arg("--blockdev")
         .arg(format!(
             "driver=file,node-name=f0,filename={},cache.direct=off,aio=threads",
@@ -45,21 +38,10 @@ fn start_qsd(qsd: &Path, img: &Path, sock: &Path) -> Server {
             "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path={},writable=on,num-queues=2",
             sock.display()
         ))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("starting qemu-storage-daemon");
-    let mut server = Server(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(
-            server.0.try_wait().unwrap().is_none(),
-            "qemu-storage-daemon exited early"
-        );
-        assert!(Instant::now() < deadline, "no socket after 10 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    server
+        .null_stdout()
+        .wait_for_path(sock)
+        .timeout(Duration::from_secs(10))
+        .start()
 }
 
 fn bench(args: &[&str]) -> std::process::Output {
@@ -88,7 +70,7 @@ fn verify_and_measure_against_qsd() {
         .set_len(16 << 20)
         .unwrap();
     let server = start_qsd(&qsd, &img, &sock);
-    let pid = server.0.id().to_string();
+    let pid = server.pid().to_string();
     let s = sock.to_str().unwrap();
     let raw = dir.path().join("raw");
     std::fs::create_dir(&raw).unwrap();

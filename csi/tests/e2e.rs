@@ -1024,7 +1024,7 @@ async fn binary_serves_csi_and_metrics() {
     let _t = Target::start(&rpc, &root.join("store/block/sockets"), None);
     let port = 20000 + (std::process::id() % 20000) as u16;
     let csi_sock = root.join("csi.sock");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_katablk-csi"))
+    let mut csi_bin = Daemon::new(katablk_test_support::bin_path!("katablk-csi"))
         .arg("--endpoint")
         .arg(format!("unix://{}", csi_sock.display()))
         .arg("--node-id")
@@ -1050,8 +1050,7 @@ async fn binary_serves_csi_and_metrics() {
         .arg("--reconcile-interval")
         .arg("1")
         .env("RUST_LOG", "warn")
-        .spawn()
-        .unwrap();
+        .start();
     let ch = channel(&csi_sock).await;
     let mut id = katablk_csi::csi::identity_client::IdentityClient::new(ch.clone());
     let info = id
@@ -1090,9 +1089,7 @@ async fn binary_serves_csi_and_metrics() {
         body.contains("katablk_csi_operations_total{method=\"Probe\",code=\"Ok\"}"),
         "{body}"
     );
-    // SAFETY: plain kill(2) of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    assert!(child.wait().unwrap().success());
+    assert!(csi_bin.term().success());
     assert!(!csi_sock.exists());
 }
 

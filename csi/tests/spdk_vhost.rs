@@ -367,13 +367,7 @@ async fn node_flow_on_spdk_vhost() {
         .entries
         .is_empty());
     assert!(
-        e.target
-            .child
-            .as_mut()
-            .unwrap()
-            .try_wait()
-            .unwrap()
-            .is_none(),
+        e.target.daemon.try_wait().is_none(),
         "SPDK's vhost is still running"
     );
 }

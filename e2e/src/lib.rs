@@ -31,14 +31,6 @@ pub fn repo_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// A binary of the workspace built in the same profile as the running test (`target/debug/NAME`
-/// next to `target/debug/deps/<this test>`), if it is there.
-pub fn sibling_binary(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let bin = exe.parent()?.parent()?.join(name);
-    bin.is_file().then_some(bin)
-}
-
 /// Runs `bash SCRIPT ARGS` from the repository root with extra environment variables, echoes its
 /// output (nextest shows it for failures and where configured), and returns the outcome.
 ///

@@ -8,14 +8,14 @@
 //! `KATABLK_E2E_ALLOW_SKIP=1`, and never in CI (`CI` set).
 //! `.config/nextest.toml` runs it alone, with a long timeout.
 
-use katablk_e2e::{run_script, sibling_binary, Outcome};
+use katablk_e2e::{run_script, Outcome};
 
 /// The binaries of this build (cargo builds them for the crates' own integration tests), so the
 /// script does not build release ones.
 fn binaries(names: &[(&'static str, &str)]) -> Vec<(&'static str, std::path::PathBuf)> {
     names
         .iter()
-        .filter_map(|(var, bin)| sibling_binary(bin).map(|p| (*var, p)))
+        .filter_map(|(var, bin)| katablk_test_support::bin::find(bin, None).map(|p| (*var, p)))
         .collect()
 }
 

@@ -4,13 +4,20 @@
 //!
 //! - [`blk`]: the libblkio vhost-user-blk client the tests drive servers with (queue-aware
 //!   requests, read-only connect, libblkio's buffer or a 2 MiB-aligned hugepage one, one
-//!   request timeout).
+//!   request timeout);
+//! - [`daemon`]: a child process serving a socket (`katablk-vhost`, `katablk-target`, SPDK's
+//!   `vhost`, `katablk-csi`, `qemu-storage-daemon`): spawn, wait for the socket, log capture,
+//!   SIGTERM, kill -9, killed when dropped;
+//! - [`bin`] and [`bin_path!`]: where a workspace binary was built.
 //!
 //! A test crate names it in `[dev-dependencies]` and uses it from `tests/common`, next to what
 //! only that crate needs.
 
 #![warn(missing_docs)]
 
+pub mod bin;
 pub mod blk;
+pub mod daemon;
 
 pub use blk::Client;
+pub use daemon::Daemon;

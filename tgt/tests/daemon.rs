@@ -69,7 +69,7 @@ fn sockets_metrics_and_pinning() {
     assert_eq!(mode, 0o660);
     // The controller's workers run on CPU 0 only. A new worker names and pins itself as it
     // starts (std names a thread from inside it), so scan again until it shows both.
-    let pid = t.child.as_ref().unwrap().id();
+    let pid = t.daemon.pid();
     let mut seen = Vec::new();
     for _ in 0..300 {
         seen.clear();

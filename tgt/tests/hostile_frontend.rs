@@ -247,7 +247,7 @@ impl Bench {
 
     /// The target runs, has not panicked and answers JSON-RPC; B's client is fine.
     fn check_target(&mut self, what: &str) {
-        let st = self.t.child.as_mut().unwrap().try_wait().unwrap();
+        let st = self.t.daemon.try_wait();
         assert!(
             st.is_none(),
             "{what}: katablk-target died: {st:?}\n{}",
@@ -615,7 +615,7 @@ fn one_hostile_frontend_never_takes_down_another_volume() {
 
 impl Bench {
     fn check_target_alive(&mut self) {
-        let st = self.t.child.as_mut().unwrap().try_wait().unwrap();
+        let st = self.t.daemon.try_wait();
         assert!(st.is_none(), "katablk-target died: {st:?}");
         assert!(
             !self.t.log().contains("panicked"),

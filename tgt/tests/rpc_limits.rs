@@ -244,7 +244,7 @@ fn proc_status(pid: u32, key: &str) -> u64 {
 fn notification_flood_is_bounded_and_does_not_stall_other_clients() {
     let dir = tempfile::tempdir().unwrap();
     let t = Target::start(dir.path(), &[]);
-    let pid = t.child.as_ref().unwrap().id();
+    let pid = t.daemon.pid();
     let mut flood = connect(&t);
     let writer = std::thread::spawn(move || {
         let note = br#"{"jsonrpc":"2.0","method":"bdev_get_bdevs"}"#.repeat(1000);

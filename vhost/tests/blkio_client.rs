@@ -361,7 +361,8 @@ fn clear_errors() {
     )
     .unwrap();
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", bin()])
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(bin())
         .args(["--socket", &format!("{}/n.sock", dir.path().display())])
         .args(["--file", img.to_str().unwrap()])
         .output();

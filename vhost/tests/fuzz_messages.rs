@@ -27,10 +27,10 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{pattern, Client};
+use katablk_test_support::Daemon;
 use raw::*;
 
 const DEFAULT_SEED: u64 = 0x6b61_7461_626c_6b31;
@@ -923,7 +923,7 @@ fn sequence(seed: u64, idx: u64) -> Vec<Step> {
 
 /// The fuzzed server: a `katablk-vhost` child with its stderr in a log file.
 struct Backend {
-    child: Option<Child>,
+    daemon: Daemon,
     socket: PathBuf,
     log: PathBuf,
     log_seen: u64,
@@ -936,26 +936,24 @@ impl Backend {
         let socket = dir.join(format!("{name}.sock"));
         let log = dir.join(format!("{name}.log"));
         let filter = std::env::var("KATABLK_FUZZ_LOG").unwrap_or_else(|_| "error".into());
-        let child = Command::new(common::bin())
+        let daemon = Daemon::new(common::bin())
             .arg("--socket")
             .arg(&socket)
             .args(["--malloc", "16", "--num-queues", &NQ.to_string()])
             .args(["--queue-size", &QMAX.to_string()])
             .env("RUST_LOG", filter)
             .env("RUST_BACKTRACE", "1")
-            .stdin(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut b = Backend {
-            child: Some(child),
+            .log(&log)
+            .fresh_log()
+            .wait_for_socket(&socket)
+            .start();
+        Backend {
+            daemon,
             socket,
             log,
             log_seen: 0,
             tail: String::new(),
-        };
-        common::wait_for_socket(&b.socket, b.child.as_mut().unwrap());
-        b
+        }
     }
 
     /// The log since the last call (with the end of what was read then).
@@ -974,7 +972,7 @@ impl Backend {
     /// Err if the child died or panicked.
     fn check(&mut self) -> Result<(), String> {
         let log = self.new_log();
-        if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+        if let Some(st) = self.daemon.try_wait() {
             return Err(format!("katablk-vhost exited: {st}; log: {log}"));
         }
         if let Some(i) = log.find("panicked") {
@@ -985,15 +983,6 @@ impl Backend {
             return Err(format!("katablk-vhost panicked: {}", &log[from..to]));
         }
         Ok(())
-    }
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -1340,10 +1329,7 @@ fn random_message_sequences_never_crash_the_backend() {
     drop(c);
     b.check().unwrap();
     // And it shuts down cleanly.
-    let mut child = b.child.take().unwrap();
-    // SAFETY: kill(2) of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let st = child.wait().unwrap();
+    let st = b.daemon.term();
     assert!(st.success(), "katablk-vhost exited with {st} after fuzzing");
 }
 

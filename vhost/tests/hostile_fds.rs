@@ -360,7 +360,7 @@ impl Node {
 }
 
 fn assert_running(srv: &mut Server, what: &str) {
-    let st = srv.child.as_mut().unwrap().try_wait().unwrap();
+    let st = srv.daemon.try_wait();
     assert!(
         st.is_none(),
         "{what}: daemon {} died: {st:?}",

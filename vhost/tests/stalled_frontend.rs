@@ -8,7 +8,7 @@ mod common;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{temp_image, Server};
 
@@ -21,20 +21,10 @@ fn sigterm_exits_promptly(stall: &[u8]) {
     s.write_all(stall).unwrap();
     // Let the server start reading the message.
     std::thread::sleep(Duration::from_millis(300));
-    let mut child = srv.child.take().unwrap();
-    // SAFETY: plain kill(2) of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("katablk-vhost ignored SIGTERM with a stalled frontend connected");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = srv
+        .daemon
+        .term_within(Duration::from_secs(20))
+        .expect("katablk-vhost ignored SIGTERM with a stalled frontend connected");
     assert!(status.success(), "{status}");
     drop(s);
 }

@@ -5,7 +5,6 @@
 use katablk_csi::kubelet_lock::LockMode;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,38 +14,12 @@ use katablk_csi::csi::{
 };
 use katablk_csi::{Config, Driver, Mode};
 pub use katablk_test_support::blk::{self, Client};
+pub use katablk_test_support::Daemon;
 use tonic::transport::Channel;
 
-/// Finds the katablk-target binary built by `cargo build --workspace` (or `-p katablk-target`).
-pub fn target_bin() -> PathBuf {
-    let mut cands = Vec::new();
-    if let Ok(t) = std::env::var("KATABLK_TARGET_BIN") {
-        cands.push(PathBuf::from(t));
-    }
-    if let Ok(t) = std::env::var("CARGO_TARGET_DIR") {
-        cands.push(Path::new(&t).join("debug/katablk-target"));
-    }
-    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    cands.push(here.join("../target/debug/katablk-target"));
-    // Next to this test binary: <target-dir>/debug/deps/<test> → <target-dir>/debug/.
-    if let Ok(exe) = std::env::current_exe() {
-        if let Some(d) = exe.parent().and_then(Path::parent) {
-            cands.push(d.join("katablk-target"));
-        }
-    }
-    for c in &cands {
-        if c.is_file() {
-            return c.clone();
-        }
-    }
-    panic!(
-        "katablk-target binary not found (tried {cands:?}); run `cargo build -p katablk-target` \
-         (or the whole workspace) first, or set KATABLK_TARGET_BIN"
-    );
-}
-
+/// `katablk-target`, or SPDK's `vhost` app, serving an RPC socket and controller sockets.
 pub struct Target {
-    pub child: Option<Child>,
+    pub daemon: Daemon,
     pub rpc: PathBuf,
     pub sockets: PathBuf,
     pub state: Option<PathBuf>,
@@ -56,77 +29,59 @@ pub struct Target {
 
 impl Target {
     pub fn start(rpc: &Path, sockets: &Path, state: Option<&Path>) -> Target {
-        let mut t = Target {
-            child: None,
-            rpc: rpc.into(),
-            sockets: sockets.into(),
-            state: state.map(Into::into),
-            spdk_vhost: None,
-        };
-        t.spawn();
-        t
+        let mut d = Daemon::new(katablk_test_support::bin_path!("katablk-target"))
+            .arg("-r")
+            .arg(rpc)
+            .arg("-S")
+            .arg(sockets);
+        if let Some(s) = state {
+            d = d.arg("--state-dir").arg(s);
+        }
+        Self::start_daemon(d, rpc, sockets, state, None)
     }
 
     /// SPDK's vhost app (`vhost -S <sockets> -r <rpc> -m 0x1 -s 512`): 512 MiB of hugepages.
     pub fn start_spdk(vhost: &Path, rpc: &Path, sockets: &Path) -> Target {
+        // SPDK logs every vhost-user message: keep it out of the test output.
+        let d = Daemon::new(vhost)
+            .arg("-r")
+            .arg(rpc)
+            .arg("-S")
+            .arg(sockets)
+            .args(["-m", "0x1", "-s", "512"])
+            .log(rpc.with_file_name("spdk-vhost.log"))
+            .fresh_log()
+            .log_stdout();
+        Self::start_daemon(d, rpc, sockets, None, Some(vhost))
+    }
+
+    fn start_daemon(
+        d: Daemon,
+        rpc: &Path,
+        sockets: &Path,
+        state: Option<&Path>,
+        spdk_vhost: Option<&Path>,
+    ) -> Target {
         let mut t = Target {
-            child: None,
+            daemon: d.env("RUST_LOG", "warn").wait_for_socket(rpc),
             rpc: rpc.into(),
             sockets: sockets.into(),
-            state: None,
-            spdk_vhost: Some(vhost.into()),
+            state: state.map(Into::into),
+            spdk_vhost: spdk_vhost.map(Into::into),
         };
         t.spawn();
         t
     }
 
+    /// Starts it (again): a fresh RPC socket, the controller sockets' directory made.
     pub fn spawn(&mut self) {
         std::fs::create_dir_all(&self.sockets).unwrap();
         let _ = std::fs::remove_file(&self.rpc);
-        let mut c = Command::new(self.spdk_vhost.clone().unwrap_or_else(target_bin));
-        c.arg("-r").arg(&self.rpc).arg("-S").arg(&self.sockets);
-        if let Some(s) = &self.state {
-            c.arg("--state-dir").arg(s);
-        }
-        if self.spdk_vhost.is_some() {
-            // SPDK logs every vhost-user message: keep it out of the test output.
-            let log = std::fs::File::create(self.rpc.with_file_name("spdk-vhost.log")).unwrap();
-            c.args(["-m", "0x1", "-s", "512"])
-                .stdout(log.try_clone().unwrap())
-                .stderr(log);
-        }
-        c.env("RUST_LOG", "warn").stdin(Stdio::null());
-        self.child = Some(c.spawn().unwrap());
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.rpc).is_err() {
-            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                let log = std::fs::read_to_string(self.rpc.with_file_name("spdk-vhost.log"))
-                    .unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(5).collect();
-                panic!(
-                    "target {:?} exited early: {st}; its log ends: {tail:?}",
-                    c.get_program()
-                );
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "target RPC socket did not appear"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.daemon.spawn();
     }
 
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        self.kill();
+        self.daemon.kill();
     }
 }
 

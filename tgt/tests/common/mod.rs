@@ -1,93 +1,64 @@
-//! Helpers: run `katablk-target` as a child, drive it with SPDK's `spdk-rpc` and with
-//! `katablk-rpc`, and check controllers' data with the shared libblkio client.
+//! Helpers: run `katablk-target` as a child (a `katablk_test_support::Daemon`), drive it with
+//! SPDK's `spdk-rpc` and with `katablk-rpc`, and check controllers' data with the shared
+//! libblkio client.
 #![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus, Output, Stdio};
 
 pub use katablk_test_support::blk::Client;
+use katablk_test_support::Daemon;
 
+/// A running `katablk-target` serving its RPC socket and controller sockets in `dir`, its
+/// stderr appended to `dir/target.log`.
 pub struct Target {
-    pub child: Option<Child>,
+    pub daemon: Daemon,
     pub dir: PathBuf,
     pub rpc: PathBuf,
     pub sockets: PathBuf,
-    pub extra: Vec<String>,
 }
 
 impl Target {
     pub fn start(dir: &Path, extra: &[&str]) -> Target {
-        let mut t = Target {
-            child: None,
-            dir: dir.to_path_buf(),
-            rpc: dir.join("spdk.sock"),
-            sockets: dir.join("sockets"),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        t.spawn();
-        t
-    }
-
-    pub fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("target.log"))
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_katablk-target"))
+        let rpc = dir.join("spdk.sock");
+        let sockets = dir.join("sockets");
+        let daemon = Daemon::new(katablk_test_support::bin_path!("katablk-target"))
             .arg("-S")
-            .arg(&self.sockets)
+            .arg(&sockets)
             .arg("-r")
-            .arg(&self.rpc)
-            .args(&self.extra)
+            .arg(&rpc)
+            .args(extra)
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.rpc).is_err() {
-            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("katablk-target exited: {st}; log: {}", self.log());
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "target did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
+            .log(dir.join("target.log"))
+            .wait_for_socket(&rpc)
+            .start();
+        Target {
+            daemon,
+            dir: dir.to_path_buf(),
+            rpc,
+            sockets,
         }
     }
 
+    /// Starts it again, same command line.
+    pub fn spawn(&mut self) {
+        self.daemon.spawn();
+    }
+
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
+        self.daemon.log_text()
     }
 
     pub fn kill9(&mut self) {
-        let mut c = self.child.take().unwrap();
-        c.kill().unwrap();
-        c.wait().unwrap();
+        self.daemon.kill();
     }
 
-    pub fn term(&mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().unwrap();
-        // SAFETY: kill(2) of our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        c.wait().unwrap()
+    pub fn term(&mut self) -> ExitStatus {
+        self.daemon.term()
     }
 
     pub fn ctrlr_socket(&self, name: &str) -> PathBuf {
         self.sockets.join(name)
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
