@@ -63,12 +63,8 @@ fn verify_and_measure_against_qsd() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let img = dir.path().join("disk.img");
+    let img = katablk_test_support::files::image(dir.path(), "disk.img", 16 << 20);
     let sock = dir.path().join("vhost.sock");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
     let server = start_qsd(&qsd, &img, &sock);
     let pid = server.pid().to_string();
     let s = sock.to_str().unwrap();

@@ -509,7 +509,7 @@ async fn snapshot_clone_expand() {
             .unwrap();
         let s = e.store().join("block/sockets").join(ctrlr(vol));
         let data = blk(move || blk_client(&s, true).unwrap().read_ok(0, 0, 8192)).await;
-        assert_eq!(data, pattern(want, 8192), "{vol}");
+        assert_eq!(data, pattern(u64::from(want), 8192), "{vol}");
         e.node
             .node_unpublish_volume(unpublish_req(vol, &t))
             .await
@@ -1006,11 +1006,7 @@ async fn binary_serves_csi_and_metrics() {
         .tempdir_in("/tmp")
         .unwrap();
     let root = dir.path();
-    let disk = root.join("disk.img");
-    std::fs::File::create(&disk)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
+    let disk = image(root, "disk.img", 64 << 20);
     let nc = root.join("node.json");
     std::fs::write(
         &nc,
@@ -1127,11 +1123,7 @@ async fn node_config_never_recreates_a_store() {
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
     assert_eq!(&std::fs::read(&foreign).unwrap()[..8], b"SPDKBLOB");
     // create: false on a blank device: refused.
-    let blank = e.root().join("blank.img");
-    std::fs::File::create(&blank)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
+    let blank = image(e.root(), "blank.img", 64 << 20);
     let c = NodeConfig::parse(&format!(
         "devices:\n  - path: {}\n    lvs: lvsb\n    create: false\n",
         blank.display()
@@ -1254,7 +1246,7 @@ async fn new_thick_volume_reads_zeros_over_reused_clusters() {
                 if round == 1 {
                     assert!(got.iter().all(|b| *b == 0), "stale data at {off}");
                 }
-                assert_eq!(c.write(0, off, &pattern(round + 1, 1 << 20)), 0);
+                assert_eq!(c.write(0, off, &pattern(u64::from(round) + 1, 1 << 20)), 0);
             }
         })
         .await;

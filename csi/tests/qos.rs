@@ -314,7 +314,7 @@ async fn metrics_report_time_spent_throttled_per_volume() {
         blk(move || {
             let mut c = blk_client(&s, false).unwrap();
             for i in 0..3u64 {
-                assert_eq!(c.write(0, i << 20, &pattern(i as u8, 1 << 20)), 0);
+                assert_eq!(c.write(0, i << 20, &pattern(i, 1 << 20)), 0);
             }
         })
         .await;

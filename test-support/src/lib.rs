@@ -8,7 +8,9 @@
 //! - [`daemon`]: a child process serving a socket (`katablk-vhost`, `katablk-target`, SPDK's
 //!   `vhost`, `katablk-csi`, `qemu-storage-daemon`): spawn, wait for the socket, log capture,
 //!   SIGTERM, kill -9, killed when dropped;
-//! - [`bin`] and [`bin_path!`]: where a workspace binary was built.
+//! - [`bin`] and [`bin_path!`]: where a workspace binary was built;
+//! - [`pattern`]: deterministic data to write and check;
+//! - [`files`]: sparse image files and memfds.
 //!
 //! A test crate names it in `[dev-dependencies]` and uses it from `tests/common`, next to what
 //! only that crate needs.
@@ -18,6 +20,8 @@
 pub mod bin;
 pub mod blk;
 pub mod daemon;
+pub mod files;
+pub mod pattern;
 
 pub use blk::Client;
 pub use daemon::Daemon;

@@ -68,7 +68,7 @@ fn reads_for(blk: &mut Client, dur: Duration) -> u64 {
 fn limits_are_checked_reported_applied_live_and_kept() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
-    let img = image(dir.path(), "disk.img", 64);
+    let img = image(dir.path(), "disk.img", 64 * MIB);
     let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
     let rpc = client(&t);
     block_on(async {

@@ -64,7 +64,7 @@ fn provision(rpc: &RpcClient, img: &std::path::Path, thin: bool) -> String {
 #[test]
 fn state_dir_restart_brings_back_controllers_and_data() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 128);
+    let img = image(dir.path(), "disk.img", 128 * MIB);
     let state = dir.path().join("state");
     let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
     let rpc = RpcClient::new(&t.rpc);
@@ -108,7 +108,7 @@ fn state_dir_restart_brings_back_controllers_and_data() {
 #[test]
 fn kill9_mid_write_keeps_flushed_data() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 128);
+    let img = image(dir.path(), "disk.img", 128 * MIB);
     let state = dir.path().join("state");
     let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
     let rpc = RpcClient::new(&t.rpc);
@@ -160,7 +160,7 @@ fn kill9_mid_write_keeps_flushed_data() {
 #[test]
 fn concurrent_rpc_clients() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 256);
+    let img = image(dir.path(), "disk.img", 256 * MIB);
     let t = Target::start(dir.path(), &[]);
     let rpc = RpcClient::new(&t.rpc);
     provision(&rpc, &img, false);
@@ -234,7 +234,7 @@ fn concurrent_rpc_clients() {
 #[test]
 fn snapshot_clone_resize_through_the_target() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 256);
+    let img = image(dir.path(), "disk.img", 256 * MIB);
     let t = Target::start(dir.path(), &[]);
     let rpc = RpcClient::new(&t.rpc);
     provision(&rpc, &img, false);
@@ -299,7 +299,7 @@ fn snapshot_clone_resize_through_the_target() {
 #[test]
 fn rename_and_grow_lvstore() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 64);
+    let img = image(dir.path(), "disk.img", 64 * MIB);
     let t = Target::start(dir.path(), &[]);
     let rpc = RpcClient::new(&t.rpc);
     provision(&rpc, &img, true);

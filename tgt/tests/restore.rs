@@ -101,7 +101,7 @@ fn assert_back(t: &Target, uuid: &str) {
 #[test]
 fn missing_disk_stays_saved_and_comes_back_when_created_again() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 64);
+    let img = image(dir.path(), "disk.img", 64 * MIB);
     let away = dir.path().join("disk.img.away");
     let state = dir.path().join("state");
     let args = [
@@ -154,7 +154,7 @@ fn missing_disk_stays_saved_and_comes_back_when_created_again() {
         "{s}"
     );
     // The name is not free for another file.
-    let other = image(dir.path(), "other.img", 16);
+    let other = image(dir.path(), "other.img", 16 * MIB);
     let e = r.block_on(rpc.bdev_aio_create(&aio(&other))).unwrap_err();
     assert!(e.is_exists(), "{e}");
     assert!(e.to_string().contains("saved configuration"), "{e}");
@@ -191,7 +191,7 @@ fn missing_disk_stays_saved_and_comes_back_when_created_again() {
 #[test]
 fn periodic_retry_restores_a_returning_disk() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 64);
+    let img = image(dir.path(), "disk.img", 64 * MIB);
     let away = dir.path().join("disk.img.away");
     let state = dir.path().join("state");
     let args = [
@@ -228,7 +228,7 @@ fn periodic_retry_restores_a_returning_disk() {
 #[test]
 fn deleting_unrestored_entries_forgets_them() {
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", 64);
+    let img = image(dir.path(), "disk.img", 64 * MIB);
     let state = dir.path().join("state");
     let args = [
         "--state-dir",

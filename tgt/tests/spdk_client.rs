@@ -15,7 +15,7 @@ fn design_flow_verbatim_then_data_path() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "node-disk.img", 256);
+    let img = image(dir.path(), "node-disk.img", 256 * MIB);
     let t = Target::start(dir.path(), &[]);
     let s = &t.rpc;
     let img = img.to_str().unwrap();
@@ -111,7 +111,7 @@ fn spdk_client_errors_and_save_load_config() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "d.img", 64);
+    let img = image(dir.path(), "d.img", 64 * MIB);
     let t = Target::start(dir.path(), &[]);
     let s = &t.rpc;
     let err = |args: &[&str]| {

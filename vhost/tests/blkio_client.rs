@@ -14,7 +14,7 @@ const MIB: u64 = 1 << 20;
 
 fn file_server(size: u64, extra: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, Server) {
     let dir = tempfile::tempdir().unwrap();
-    let img = temp_image(dir.path(), size);
+    let img = image(dir.path(), "disk.img", size);
     let sock = dir.path().join("vhost.sock");
     let mut args = vec!["--file", img.to_str().unwrap()];
     args.extend_from_slice(extra);
@@ -101,7 +101,7 @@ fn patterns_malloc_no_polling() {
 fn patterns_file_direct() {
     // O_DIRECT needs a filesystem that supports it (not tmpfs): use /var/tmp.
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let img = temp_image(dir.path(), 16 * MIB);
+    let img = image(dir.path(), "disk.img", 16 * MIB);
     let sock = dir.path().join("d.sock");
     let probe = std::fs::OpenOptions::new()
         .read(true)
@@ -353,7 +353,7 @@ fn clear_errors() {
     assert!(e.contains("not a socket"), "{e}");
     assert_eq!(std::fs::read(&sock).unwrap(), b"keep");
     // Permission denied, as an unprivileged user on a root-only file.
-    let img = temp_image(dir.path(), MIB);
+    let img = image(dir.path(), "disk.img", MIB);
     std::fs::set_permissions(&img, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     std::fs::set_permissions(
         dir.path(),

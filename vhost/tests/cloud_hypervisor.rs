@@ -20,11 +20,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use katablk_bdev::malloc::MallocDevice;
+use katablk_test_support::files::memfd;
+use katablk_test_support::pattern::seeded;
 use katablk_vhost::{BlkOptions, VhostBlkServer};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
@@ -64,16 +66,6 @@ const F_WRITE_ZEROES: u64 = 1 << 14;
 const F_VERSION_1: u64 = 1 << 32;
 const F_RING_EVENT_IDX: u64 = 1 << 29;
 const F_RING_INDIRECT_DESC: u64 = 1 << 28;
-
-fn memfd(len: usize) -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"ch-guest".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh descriptor owned by nobody else.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len as u64).unwrap();
-    f
-}
 
 fn region_info(
     mem: &GuestMemoryMmap<()>,
@@ -231,7 +223,7 @@ fn cloud_hypervisor_connects_configures_and_does_io() {
     // 5. Activation, every message acknowledged (REPLY_ACK) so a refusal shows up here.
     fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     fe.set_features(acked).unwrap();
-    let file = memfd(MEM);
+    let file = memfd(MEM as u64);
     let region = MmapRegion::from_file(FileOffset::new(file.try_clone().unwrap(), 0), MEM).unwrap();
     let mem =
         GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()])
@@ -281,7 +273,7 @@ fn cloud_hypervisor_connects_configures_and_does_io() {
     }
 
     // 6. Memory hot-plug: a second region, and the data of the requests in it.
-    let hot = memfd(MEM);
+    let hot = memfd(MEM as u64);
     let hot_region =
         MmapRegion::from_file(FileOffset::new(hot.try_clone().unwrap(), 0), MEM).unwrap();
     let hot_mem = GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(
@@ -294,7 +286,7 @@ fn cloud_hypervisor_connects_configures_and_does_io() {
         .unwrap();
 
     // A write on queue 1 (its buffers in the hot-plugged region), then a read back on queue 0.
-    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    let data = seeded(1, 4096);
     let at = MEM as u64 + 0x1_0000;
     let w = chain(&hot_mem, at, 1, 16, Some(&data), 0);
     queues[1].add_desc_chains(&w, 0).unwrap();
@@ -345,7 +337,7 @@ fn no_queue_runs_before_set_owner() {
     fe.set_protocol_features(pf & VhostUserProtocolFeatures::REPLY_ACK)
         .unwrap();
     fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-    let file = memfd(MEM);
+    let file = memfd(MEM as u64);
     let region = MmapRegion::from_file(FileOffset::new(file.try_clone().unwrap(), 0), MEM).unwrap();
     let mem =
         GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()])

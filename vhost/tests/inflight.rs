@@ -4,12 +4,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use katablk_bdev::malloc::MallocDevice;
 use katablk_bdev::sync::SyncIo;
+use katablk_test_support::files::memfd;
 use katablk_vhost::{BlkOptions, VhostBlkServer};
 use vhost::vhost_user::message::{
     VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -27,23 +28,13 @@ use vmm_sys_util::eventfd::EventFd;
 const MEM: usize = 16 << 20;
 const QSIZE: u16 = 16;
 
-fn memfd() -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; checked below.
-    let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: fresh descriptor owned by nobody else.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(MEM as u64).unwrap();
-    f
-}
-
 struct Guest {
     mem: GuestMemoryMmap<()>,
     file: File,
 }
 
 fn guest() -> Guest {
-    let file = memfd();
+    let file = memfd(MEM as u64);
     let region = MmapRegion::from_file(FileOffset::new(file.try_clone().unwrap(), 0), MEM).unwrap();
     let mem =
         GuestMemoryMmap::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()])
@@ -255,7 +246,7 @@ fn memory_slots_hot_add_and_remove() {
     let mut fe = connect(&sock, &g);
     assert!(fe.get_max_mem_slots().unwrap() >= 32);
     // Hot-add a second region at 1 GiB holding the data buffer, do I/O from it, remove it.
-    let extra = memfd();
+    let extra = memfd(MEM as u64);
     let region =
         MmapRegion::<()>::from_file(FileOffset::new(extra.try_clone().unwrap(), 0), MEM).unwrap();
     let gr = GuestRegionMmap::new(region, GuestAddress(1 << 30)).unwrap();

@@ -10,11 +10,11 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{temp_image, Server};
+use common::{image, Server};
 
 fn sigterm_exits_promptly(stall: &[u8]) {
     let dir = tempfile::tempdir().unwrap();
-    let img = temp_image(dir.path(), 16 << 20);
+    let img = image(dir.path(), "disk.img", 16 << 20);
     let sock = dir.path().join("s.sock");
     let mut srv = Server::start(&sock, &["--file", img.to_str().unwrap()]);
     let mut s = UnixStream::connect(&sock).unwrap();
@@ -45,7 +45,7 @@ fn a_missing_payload_does_not_block_shutdown() {
 fn a_refused_request_that_wants_a_reply_is_answered_by_closing() {
     use std::io::Read;
     let dir = tempfile::tempdir().unwrap();
-    let img = temp_image(dir.path(), 16 << 20);
+    let img = image(dir.path(), "disk.img", 16 << 20);
     let sock = dir.path().join("s.sock");
     let mut srv = Server::start(&sock, &["--file", img.to_str().unwrap()]);
     for (code, payload) in [

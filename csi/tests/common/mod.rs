@@ -14,6 +14,8 @@ use katablk_csi::csi::{
 };
 use katablk_csi::{Config, Driver, Mode};
 pub use katablk_test_support::blk::{self, Client};
+pub use katablk_test_support::files::image;
+pub use katablk_test_support::pattern::seeded as pattern;
 pub use katablk_test_support::Daemon;
 use tonic::transport::Channel;
 
@@ -143,11 +145,7 @@ impl Env {
             .tempdir_in("/tmp")
             .unwrap();
         let root = dir.path().to_path_buf();
-        let disk = root.join("disk.img");
-        std::fs::File::create(&disk)
-            .unwrap()
-            .set_len(DISK_SIZE)
-            .unwrap();
+        let disk = image(&root, "disk.img", DISK_SIZE);
         let nc = root.join("node.yaml");
         std::fs::write(
             &nc,
@@ -343,12 +341,6 @@ pub fn blk_client(socket: &Path, read_only: bool) -> Result<Client, blkio::Error
 /// Runs a blocking libblkio closure off the async runtime.
 pub async fn blk<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
     tokio::task::spawn_blocking(f).await.unwrap()
-}
-
-pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
 }
 
 pub fn code<T: std::fmt::Debug>(r: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {

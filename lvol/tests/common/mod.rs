@@ -1,5 +1,5 @@
 //! Test devices: a RAM device with a volatile write cache, fault injection and resizing.
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(dead_code, unused_imports, clippy::unwrap_used)] // each test binary uses a part
 
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
@@ -279,17 +279,7 @@ impl IoChannel for FaultChan {
 }
 
 /// Block pattern: 8-byte tag then bytes derived from it; tag 0 is all zeroes.
-pub fn pattern(tag: u64, len: usize) -> Vec<u8> {
-    if tag == 0 {
-        return vec![0; len];
-    }
-    let mut v = vec![0u8; len];
-    v[..8].copy_from_slice(&tag.to_le_bytes());
-    for (i, b) in v.iter_mut().enumerate().skip(8) {
-        *b = (tag as usize).wrapping_mul(31).wrapping_add(i) as u8 | 1;
-    }
-    v
-}
+pub use katablk_test_support::pattern::tagged as pattern;
 
 /// Reads `len` bytes at `off` of a device.
 pub fn read(dev: &dyn BlockDevice, off: u64, len: usize) -> Vec<u8> {

@@ -7,7 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 
 pub use katablk_test_support::blk::Client;
+pub use katablk_test_support::files::image;
+pub use katablk_test_support::pattern::seeded as fill;
 use katablk_test_support::Daemon;
+
+pub const MIB: u64 = 1 << 20;
 
 /// A running `katablk-target` serving its RPC socket and controller sockets in `dir`, its
 /// stderr appended to `dir/target.log`.
@@ -101,19 +105,4 @@ pub fn spdk_rpc_ok(bin: &Path, sock: &Path, args: &[&str]) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).trim().to_string()
-}
-
-pub fn fill(seed: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u64 ^ seed.wrapping_mul(0x9e37)) as u8)
-        .collect()
-}
-
-pub fn image(dir: &Path, name: &str, mib: u64) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::File::create(&p)
-        .unwrap()
-        .set_len(mib << 20)
-        .unwrap();
-    p
 }

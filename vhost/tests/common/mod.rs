@@ -1,11 +1,13 @@
 //! Test helpers: run `katablk-vhost` as a child process (a `katablk_test_support::Daemon`) and
 //! drive it with the shared libblkio client.
-#![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
+#![allow(dead_code, unused_imports)] // each test binary uses a part
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 
 pub use katablk_test_support::blk::Client;
+pub use katablk_test_support::files::image;
+pub use katablk_test_support::pattern::offset as pattern;
 use katablk_test_support::Daemon;
 
 /// The `katablk-vhost` binary of this build.
@@ -52,18 +54,4 @@ impl Server {
     pub fn kill(&mut self) {
         self.daemon.kill();
     }
-}
-
-/// A deterministic pattern for (offset, len, seed).
-pub fn pattern(off: u64, len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((off as usize + i).wrapping_mul(31) as u8) ^ seed)
-        .collect()
-}
-
-pub fn temp_image(dir: &Path, size: u64) -> PathBuf {
-    let p = dir.join("disk.img");
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(size).unwrap();
-    p
 }
