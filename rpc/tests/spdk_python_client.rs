@@ -13,29 +13,14 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use common::TestServer;
+use katablk_test_support::spdk_rpc::{installed, works};
 use serde_json::{json, Value};
 
 const SPDK_PY_VERSION: &str = "26.9";
 
-/// True if `bin --help` runs.
-fn works(bin: &Path) -> bool {
-    Command::new(bin)
-        .arg("--help")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 fn find_spdk_rpc() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("SPDK_RPC") {
-        let p = PathBuf::from(p);
-        return if works(&p) {
-            Ok(p)
-        } else {
-            Err(format!("$SPDK_RPC={} does not run", p.display()))
-        };
-    }
-    if works(Path::new("spdk-rpc")) {
-        return Ok(PathBuf::from("spdk-rpc"));
+    if let Some(p) = installed()? {
+        return Ok(p);
     }
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("spdk-py-venv");
     let bin = venv.join("bin/spdk-rpc");

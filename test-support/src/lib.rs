@@ -9,6 +9,7 @@
 //!   `vhost`, `katablk-csi`, `qemu-storage-daemon`): spawn, wait for the socket, log capture,
 //!   SIGTERM, kill -9, killed when dropped;
 //! - [`bin`] and [`bin_path!`]: where a workspace binary was built;
+//! - [`spdk_rpc`]: SPDK's python client `spdk-rpc`, found and run;
 //! - [`pattern`]: deterministic data to write and check;
 //! - [`files`]: sparse image files and memfds.
 //!
@@ -22,6 +23,7 @@ pub mod blk;
 pub mod daemon;
 pub mod files;
 pub mod pattern;
+pub mod spdk_rpc;
 
 pub use blk::Client;
 pub use daemon::Daemon;

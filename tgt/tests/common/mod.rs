@@ -4,11 +4,12 @@
 #![allow(clippy::unwrap_used, dead_code, unused_imports)] // each test binary uses a part
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Output, Stdio};
+use std::process::ExitStatus;
 
 pub use katablk_test_support::blk::Client;
 pub use katablk_test_support::files::image;
 pub use katablk_test_support::pattern::seeded as fill;
+pub use katablk_test_support::spdk_rpc::{run as spdk_rpc, run_ok as spdk_rpc_ok};
 use katablk_test_support::Daemon;
 
 pub const MIB: u64 = 1 << 20;
@@ -68,41 +69,5 @@ impl Target {
 
 /// SPDK's python client, as installed by scripts/setup-debian.sh (`$SPDK_RPC`) or on PATH.
 pub fn spdk_rpc_bin() -> Option<PathBuf> {
-    let cand = std::env::var_os("SPDK_RPC")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("spdk-rpc"));
-    let ok = Command::new(&cand)
-        .arg("--help")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if ok {
-        Some(cand)
-    } else if std::env::var_os("SPDK_RPC").is_some() {
-        panic!("$SPDK_RPC is set but does not run");
-    } else {
-        None
-    }
-}
-
-pub fn spdk_rpc(bin: &Path, sock: &Path, args: &[&str]) -> Output {
-    Command::new(bin)
-        .arg("-s")
-        .arg(sock)
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-pub fn spdk_rpc_ok(bin: &Path, sock: &Path, args: &[&str]) -> String {
-    let o = spdk_rpc(bin, sock, args);
-    assert!(
-        o.status.success(),
-        "spdk-rpc {args:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
+    katablk_test_support::spdk_rpc::installed().unwrap_or_else(|e| panic!("{e}"))
 }
