@@ -11,7 +11,8 @@
 //! - [`bin`] and [`bin_path!`]: where a workspace binary was built;
 //! - [`spdk_rpc`]: SPDK's python client `spdk-rpc`, found and run;
 //! - [`pattern`]: deterministic data to write and check;
-//! - [`files`]: sparse image files and memfds.
+//! - [`files`]: sparse image files and memfds;
+//! - [`raw`]: a raw, possibly hostile vhost-user frontend writing the wire format itself.
 //!
 //! A test crate names it in `[dev-dependencies]` and uses it from `tests/common`, next to what
 //! only that crate needs.
@@ -23,6 +24,7 @@ pub mod blk;
 pub mod daemon;
 pub mod files;
 pub mod pattern;
+pub mod raw;
 pub mod spdk_rpc;
 
 pub use blk::Client;

@@ -2,7 +2,7 @@
 //!
 //! A `katablk-target` child serves two RAM bdevs through two vhost-user-blk controllers, A and
 //! B. A well-behaved libblkio client of B writes and reads back (verifying) in a thread the
-//! whole time, while a raw frontend (`vhost/tests/common/raw.rs`) attacks A: inflight and
+//! whole time, while a raw frontend (`katablk_test_support::raw`) attacks A: inflight and
 //! memory files smaller than their mappings, `mmap_offset` past the end, files that are not
 //! regular files, memory and inflight files shrunk under a running queue, garbage headers, a
 //! header announcing a huge payload then closing, half a header then silence, every request
@@ -13,8 +13,6 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "../../vhost/tests/common/raw.rs"]
-mod raw;
 
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -26,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use blkio::ReqFlags;
 use common::{fill, Client, Target};
-use raw::*;
+use katablk_test_support::raw::*;
 use serde_json::{json, Value};
 
 /// One JSON-RPC call on a fresh connection (30 s timeout): `result`, or `error`.

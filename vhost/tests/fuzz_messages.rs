@@ -19,8 +19,6 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "common/raw.rs"]
-mod raw;
 
 use std::fmt;
 use std::fs::File;
@@ -30,8 +28,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{pattern, Client};
+use katablk_test_support::raw::*;
 use katablk_test_support::Daemon;
-use raw::*;
 
 const DEFAULT_SEED: u64 = 0x6b61_7461_626c_6b31;
 const DEFAULT_ITERS: u64 = 6000;

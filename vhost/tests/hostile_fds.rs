@@ -15,13 +15,12 @@
 mod common;
 
 use std::fs::File;
-use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{pattern, Client, Server};
+use katablk_test_support::raw::*;
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{
@@ -30,267 +29,10 @@ use vm_memory::{
 };
 use vmm_sys_util::eventfd::EventFd;
 
-// Frontend request codes.
-const GET_FEATURES: u32 = 1;
-const SET_FEATURES: u32 = 2;
-const SET_OWNER: u32 = 3;
-const SET_MEM_TABLE: u32 = 5;
-const SET_VRING_NUM: u32 = 8;
-const SET_VRING_ADDR: u32 = 9;
-const SET_VRING_BASE: u32 = 10;
-const SET_VRING_KICK: u32 = 12;
-const SET_VRING_CALL: u32 = 13;
-const GET_PROTOCOL_FEATURES: u32 = 15;
-const SET_PROTOCOL_FEATURES: u32 = 16;
-const SET_VRING_ENABLE: u32 = 18;
-const GET_INFLIGHT_FD: u32 = 31;
-const SET_INFLIGHT_FD: u32 = 32;
-const ADD_MEM_REG: u32 = 37;
-
-// Header flags.
-const VERSION: u32 = 0x1;
-const REPLY: u32 = 0x4;
-const NEED_REPLY: u32 = 0x8;
-
-const F_VERSION_1: u64 = 1 << 32;
-const F_PROTOCOL_FEATURES: u64 = 1 << 30;
-const PF_MQ: u64 = 1 << 0;
-const PF_REPLY_ACK: u64 = 1 << 3;
-const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
-const PF_CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
-
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
 const QSIZE: u16 = 16;
 
-fn memfd(len: u64) -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; checked below.
-    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh descriptor owned by nobody else.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    f
-}
-
-/// What the backend answered.
-#[derive(Debug, PartialEq, Eq)]
-enum Reply {
-    /// A `REPLY_ACK` (or u64) reply: 0 is success.
-    Ack(u64),
-    /// The backend closed the connection.
-    Closed,
-}
-
-/// A frontend that writes the vhost-user wire format itself.
-struct Raw {
-    sock: UnixStream,
-}
-
-impl Raw {
-    fn connect(path: &Path) -> Raw {
-        let sock = UnixStream::connect(path).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        Raw { sock }
-    }
-
-    /// Sends one message; an error means the backend is gone.
-    fn send(&self, req: u32, flags: u32, payload: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-        let mut msg = Vec::with_capacity(12 + payload.len());
-        msg.extend_from_slice(&req.to_le_bytes());
-        msg.extend_from_slice(&flags.to_le_bytes());
-        msg.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        msg.extend_from_slice(payload);
-        let mut iov = libc::iovec {
-            iov_base: msg.as_mut_ptr().cast(),
-            iov_len: msg.len(),
-        };
-        // Room for 8 descriptors, u64-aligned as cmsghdr needs.
-        let mut cmsg = [0u64; 8];
-        assert!(fds.len() <= 8);
-        // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live local buffers.
-        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-        mh.msg_iov = &mut iov;
-        mh.msg_iovlen = 1;
-        if !fds.is_empty() {
-            let bytes = std::mem::size_of_val(fds) as u32;
-            mh.msg_control = cmsg.as_mut_ptr().cast();
-            // SAFETY: CMSG_SPACE is a pure size computation.
-            mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
-            // SAFETY: the control buffer is large enough for one SCM_RIGHTS header and its
-            // descriptors (checked above); CMSG_FIRSTHDR/CMSG_DATA point into it.
-            unsafe {
-                let c = libc::CMSG_FIRSTHDR(&mh);
-                (*c).cmsg_level = libc::SOL_SOCKET;
-                (*c).cmsg_type = libc::SCM_RIGHTS;
-                (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
-                std::ptr::copy_nonoverlapping(
-                    fds.as_ptr(),
-                    libc::CMSG_DATA(c).cast::<RawFd>(),
-                    fds.len(),
-                );
-            }
-        }
-        // SAFETY: `mh` describes valid buffers for the duration of the call.
-        let n = unsafe { libc::sendmsg(self.sock.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        assert_eq!(n as usize, msg.len(), "short send");
-        Ok(())
-    }
-
-    /// Reads the reply to `req`.
-    fn reply(&mut self, req: u32) -> Reply {
-        let mut hdr = [0u8; 12];
-        match self.sock.read_exact(&mut hdr) {
-            Ok(()) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-                ) =>
-            {
-                return Reply::Closed
-            }
-            Err(e) => panic!("no reply to request {req}: {e}"),
-        }
-        let word = |i: usize| u32::from_le_bytes(hdr[i * 4..i * 4 + 4].try_into().unwrap());
-        assert_eq!(word(0), req, "reply to another request");
-        assert_ne!(word(1) & REPLY, 0, "not a reply");
-        let mut body = vec![0u8; word(2) as usize];
-        if self.sock.read_exact(&mut body).is_err() {
-            return Reply::Closed;
-        }
-        assert_eq!(body.len(), 8, "unexpected reply size");
-        Reply::Ack(u64::from_le_bytes(body[..8].try_into().unwrap()))
-    }
-
-    /// Sends `req` asking for an acknowledgement, and returns it.
-    fn request(&mut self, req: u32, payload: &[u8], fds: &[RawFd]) -> Reply {
-        if self.send(req, VERSION | NEED_REPLY, payload, fds).is_err() {
-            return Reply::Closed;
-        }
-        self.reply(req)
-    }
-
-    /// Sends `req` and reads its reply, which carries `body` bytes and one descriptor.
-    fn request_fd(&mut self, req: u32, payload: &[u8], body: usize) -> (Vec<u8>, File) {
-        self.send(req, VERSION, payload, &[]).unwrap();
-        let mut buf = vec![0u8; 12 + body];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        let mut cmsg = [0u64; 8];
-        // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live local buffers.
-        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-        mh.msg_iov = &mut iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = cmsg.as_mut_ptr().cast();
-        mh.msg_controllen = std::mem::size_of_val(&cmsg);
-        // SAFETY: `mh` describes valid buffers for the duration of the call.
-        let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
-        assert_eq!(n as usize, buf.len(), "short reply to request {req}");
-        // SAFETY: recvmsg filled the control buffer, bounded by msg_controllen; an SCM_RIGHTS
-        // payload is an array of descriptors now owned by this process.
-        let fd = unsafe {
-            let c = libc::CMSG_FIRSTHDR(&mh);
-            assert!(!c.is_null(), "no descriptor in the reply to request {req}");
-            assert_eq!((*c).cmsg_type, libc::SCM_RIGHTS);
-            File::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>()))
-        };
-        let word = |i: usize| u32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().unwrap());
-        assert_eq!(word(0), req);
-        assert_eq!(word(2) as usize, body);
-        (buf[12..].to_vec(), fd)
-    }
-
-    fn get_u64(&mut self, req: u32) -> u64 {
-        self.send(req, VERSION, &[], &[]).unwrap();
-        match self.reply(req) {
-            Reply::Ack(v) => v,
-            Reply::Closed => panic!("closed on request {req}"),
-        }
-    }
-
-    /// Features, protocol features (with `REPLY_ACK`, so refusals are answered), owner.
-    fn handshake(&mut self) {
-        let f = self.get_u64(GET_FEATURES);
-        let want = F_VERSION_1 | F_PROTOCOL_FEATURES;
-        assert_eq!(f & want, want);
-        self.send(SET_FEATURES, VERSION, &want.to_le_bytes(), &[])
-            .unwrap();
-        let pf = self.get_u64(GET_PROTOCOL_FEATURES);
-        let want = PF_MQ | PF_REPLY_ACK | PF_INFLIGHT_SHMFD | PF_CONFIGURE_MEM_SLOTS;
-        assert_eq!(pf & want, want);
-        self.send(SET_PROTOCOL_FEATURES, VERSION, &want.to_le_bytes(), &[])
-            .unwrap();
-        assert_eq!(self.request(SET_OWNER, &[], &[]), Reply::Ack(0));
-    }
-
-    /// True once the backend has closed the connection (within 10 s).
-    fn wait_closed(&mut self) -> bool {
-        let t = Instant::now();
-        let mut buf = [0u8; 64];
-        while t.elapsed() < Duration::from_secs(10) {
-            match self.sock.read(&mut buf) {
-                Ok(0) => return true,
-                Ok(_) => continue,
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return false
-                }
-                Err(e) => panic!("read: {e}"),
-            }
-        }
-        false
-    }
-}
-
-/// One region of a SET_MEM_TABLE / ADD_MEM_REG payload.
-fn region(gpa: u64, size: u64, uaddr: u64, offset: u64) -> Vec<u8> {
-    [gpa, size, uaddr, offset]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect()
-}
-
-fn mem_table(regions: &[Vec<u8>]) -> Vec<u8> {
-    let mut p = (regions.len() as u32).to_le_bytes().to_vec();
-    p.extend_from_slice(&[0u8; 4]);
-    for r in regions {
-        p.extend_from_slice(r);
-    }
-    p
-}
-
-fn add_mem_reg(r: &[u8]) -> Vec<u8> {
-    let mut p = vec![0u8; 8];
-    p.extend_from_slice(r);
-    p
-}
-
-fn inflight(mmap_size: u64, mmap_offset: u64, num_queues: u16, queue_size: u16) -> Vec<u8> {
-    let mut p = mmap_size.to_le_bytes().to_vec();
-    p.extend_from_slice(&mmap_offset.to_le_bytes());
-    p.extend_from_slice(&num_queues.to_le_bytes());
-    p.extend_from_slice(&queue_size.to_le_bytes());
-    p.extend_from_slice(&[0u8; 4]);
-    p
-}
-
-fn vring_state(index: u32, num: u32) -> Vec<u8> {
-    let mut p = index.to_le_bytes().to_vec();
-    p.extend_from_slice(&num.to_le_bytes());
-    p
-}
+/// The protocol features the attacker acknowledges.
+const ATTACKER_FEATURES: u64 = PF_MQ | PF_REPLY_ACK | PF_INFLIGHT_SHMFD | PF_CONFIGURE_MEM_SLOTS;
 
 /// The attacked daemon, a neighbour daemon and a libblkio client of the neighbour.
 struct Node {
@@ -324,7 +66,7 @@ impl Node {
 
     fn attacker(&self) -> Raw {
         let mut r = Raw::connect(&self.attacked.socket);
-        r.handshake();
+        r.handshake_with(ATTACKER_FEATURES);
         r
     }
 

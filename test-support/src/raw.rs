@@ -1,12 +1,11 @@
 //! A raw, possibly hostile vhost-user frontend: it writes the wire format itself (12-byte
 //! header: request, flags, size; then the payload; descriptors in SCM_RIGHTS) so it can send
-//! anything, well-formed or not. It depends on `libc` only, so that the tests of other crates
-//! (`katablk-target`) can include it with `#[path]`.
+//! anything, well-formed or not, to `katablk-vhost` or `katablk-target`.
 //!
-//! Also here: guest memory in a memfd with a split virtqueue laid out by hand (to drive a
-//! running queue and then pull the memory from under it), descriptors of every kind, and a
-//! small deterministic random generator for fuzzing.
-#![allow(clippy::unwrap_used, dead_code)]
+//! Also here: payload builders for the messages it sends, guest memory in a memfd with a
+//! split virtqueue laid out by hand (to drive a running queue and then pull the memory from
+//! under it), descriptors of every kind, and a small deterministic random generator for
+//! fuzzing.
 
 use std::fs::File;
 use std::io::Read;
@@ -16,74 +15,70 @@ use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-// Frontend request codes (the vhost-user spec's numbering).
-pub const NOOP: u32 = 0;
-pub const GET_FEATURES: u32 = 1;
-pub const SET_FEATURES: u32 = 2;
-pub const SET_OWNER: u32 = 3;
-pub const RESET_OWNER: u32 = 4;
-pub const SET_MEM_TABLE: u32 = 5;
-pub const SET_LOG_BASE: u32 = 6;
-pub const SET_LOG_FD: u32 = 7;
-pub const SET_VRING_NUM: u32 = 8;
-pub const SET_VRING_ADDR: u32 = 9;
-pub const SET_VRING_BASE: u32 = 10;
-pub const GET_VRING_BASE: u32 = 11;
-pub const SET_VRING_KICK: u32 = 12;
-pub const SET_VRING_CALL: u32 = 13;
-pub const SET_VRING_ERR: u32 = 14;
-pub const GET_PROTOCOL_FEATURES: u32 = 15;
-pub const SET_PROTOCOL_FEATURES: u32 = 16;
-pub const GET_QUEUE_NUM: u32 = 17;
-pub const SET_VRING_ENABLE: u32 = 18;
-pub const SET_BACKEND_REQ_FD: u32 = 21;
-pub const GET_CONFIG: u32 = 24;
-pub const SET_CONFIG: u32 = 25;
-pub const GET_INFLIGHT_FD: u32 = 31;
-pub const SET_INFLIGHT_FD: u32 = 32;
-pub const RESET_DEVICE: u32 = 34;
-pub const VRING_KICK: u32 = 35;
-pub const GET_MAX_MEM_SLOTS: u32 = 36;
-pub const ADD_MEM_REG: u32 = 37;
-pub const REM_MEM_REG: u32 = 38;
-pub const SET_STATUS: u32 = 39;
-pub const GET_STATUS: u32 = 40;
-pub const SET_DEVICE_STATE_FD: u32 = 42;
-pub const CHECK_DEVICE_STATE: u32 = 43;
-pub const GET_SHMEM_CONFIG: u32 = 44;
-/// The highest request code the protocol (as the `vhost` crate knows it) defines.
-pub const LAST_REQUEST: u32 = 44;
+pub use crate::files::memfd;
+pub use codes::*;
 
-// Header flags.
-pub const VERSION: u32 = 0x1;
-pub const REPLY: u32 = 0x4;
-pub const NEED_REPLY: u32 = 0x8;
+/// The protocol's numbers: frontend request codes (the vhost-user spec's numbering), header
+/// flags, virtio and vhost-user protocol feature bits.
+#[allow(missing_docs)]
+mod codes {
+    pub const NOOP: u32 = 0;
+    pub const GET_FEATURES: u32 = 1;
+    pub const SET_FEATURES: u32 = 2;
+    pub const SET_OWNER: u32 = 3;
+    pub const RESET_OWNER: u32 = 4;
+    pub const SET_MEM_TABLE: u32 = 5;
+    pub const SET_LOG_BASE: u32 = 6;
+    pub const SET_LOG_FD: u32 = 7;
+    pub const SET_VRING_NUM: u32 = 8;
+    pub const SET_VRING_ADDR: u32 = 9;
+    pub const SET_VRING_BASE: u32 = 10;
+    pub const GET_VRING_BASE: u32 = 11;
+    pub const SET_VRING_KICK: u32 = 12;
+    pub const SET_VRING_CALL: u32 = 13;
+    pub const SET_VRING_ERR: u32 = 14;
+    pub const GET_PROTOCOL_FEATURES: u32 = 15;
+    pub const SET_PROTOCOL_FEATURES: u32 = 16;
+    pub const GET_QUEUE_NUM: u32 = 17;
+    pub const SET_VRING_ENABLE: u32 = 18;
+    pub const SET_BACKEND_REQ_FD: u32 = 21;
+    pub const GET_CONFIG: u32 = 24;
+    pub const SET_CONFIG: u32 = 25;
+    pub const GET_INFLIGHT_FD: u32 = 31;
+    pub const SET_INFLIGHT_FD: u32 = 32;
+    pub const RESET_DEVICE: u32 = 34;
+    pub const VRING_KICK: u32 = 35;
+    pub const GET_MAX_MEM_SLOTS: u32 = 36;
+    pub const ADD_MEM_REG: u32 = 37;
+    pub const REM_MEM_REG: u32 = 38;
+    pub const SET_STATUS: u32 = 39;
+    pub const GET_STATUS: u32 = 40;
+    pub const SET_DEVICE_STATE_FD: u32 = 42;
+    pub const CHECK_DEVICE_STATE: u32 = 43;
+    pub const GET_SHMEM_CONFIG: u32 = 44;
+    /// The highest request code the protocol (as the `vhost` crate knows it) defines.
+    pub const LAST_REQUEST: u32 = 44;
 
-pub const F_VERSION_1: u64 = 1 << 32;
-pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
-pub const PF_MQ: u64 = 1 << 0;
-pub const PF_REPLY_ACK: u64 = 1 << 3;
-pub const PF_BACKEND_REQ: u64 = 1 << 5;
-pub const PF_CONFIG: u64 = 1 << 9;
-pub const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
-pub const PF_RESET_DEVICE: u64 = 1 << 13;
-pub const PF_CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
+    // Header flags.
+    pub const VERSION: u32 = 0x1;
+    pub const REPLY: u32 = 0x4;
+    pub const NEED_REPLY: u32 = 0x8;
 
-/// Largest payload the backend accepts in one message.
-pub const MAX_MSG_SIZE: usize = 0x1000;
+    pub const F_VERSION_1: u64 = 1 << 32;
+    pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+    pub const PF_MQ: u64 = 1 << 0;
+    pub const PF_REPLY_ACK: u64 = 1 << 3;
+    pub const PF_BACKEND_REQ: u64 = 1 << 5;
+    pub const PF_CONFIG: u64 = 1 << 9;
+    pub const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
+    pub const PF_RESET_DEVICE: u64 = 1 << 13;
+    pub const PF_CONFIGURE_MEM_SLOTS: u64 = 1 << 15;
 
-pub const KIB: u64 = 1 << 10;
-pub const MIB: u64 = 1 << 20;
+    /// Largest payload the backend accepts in one message.
+    pub const MAX_MSG_SIZE: usize = 0x1000;
 
-/// A memfd of `len` bytes.
-pub fn memfd(len: u64) -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; checked below.
-    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-    // SAFETY: a fresh descriptor owned by nobody else.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    f
+    pub const KIB: u64 = 1 << 10;
+    pub const MIB: u64 = 1 << 20;
 }
 
 /// A non-blocking eventfd.
@@ -117,10 +112,12 @@ pub fn pipe() -> (OwnedFd, OwnedFd) {
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator starting from `seed`.
     pub fn new(seed: u64) -> Rng {
         Rng(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -129,6 +126,7 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// The next 32 random bits.
     pub fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32
     }
@@ -152,10 +150,12 @@ impl Rng {
         self.below(den) < num
     }
 
+    /// One of `v` (not empty), uniformly.
     pub fn pick<T: Copy>(&mut self, v: &[T]) -> T {
         v[self.below(v.len() as u64) as usize]
     }
 
+    /// `n` random bytes.
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(n + 8);
         while v.len() < n {
@@ -180,6 +180,7 @@ impl Rng {
         }
     }
 
+    /// Like [`Rng::edgy_u64`], for 32-bit fields.
     pub fn edgy_u32(&mut self) -> u32 {
         match self.below(6) {
             0 => 0,
@@ -195,18 +196,28 @@ impl Rng {
 /// Descriptors of every kind a hostile frontend might attach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FdKind {
+    /// A memfd of this many bytes.
     Memfd(u64),
+    /// An eventfd.
     EventFd,
+    /// The read end of a pipe.
     PipeRead,
+    /// The write end of a pipe.
     PipeWrite,
+    /// `/dev/null`.
     DevNull,
+    /// `/dev/zero`.
     DevZero,
+    /// One end of a unix socket pair.
     Socket,
+    /// A directory.
     Directory,
+    /// A 64 KiB regular file.
     RegularFile,
 }
 
 impl FdKind {
+    /// One kind, memfds of interesting sizes twice as likely as each other kind.
     pub fn random(rng: &mut Rng) -> FdKind {
         match rng.below(10) {
             0 | 1 => FdKind::Memfd(rng.pick(&[0, 1, 4095, 4096, 8192, 64 * KIB, MIB, 2 * MIB])),
@@ -237,14 +248,14 @@ impl FdKind {
                 keep.push(r);
                 w
             }
-            FdKind::DevNull => File::open("/dev/null").unwrap().into(),
-            FdKind::DevZero => File::open("/dev/zero").unwrap().into(),
+            FdKind::DevNull => File::open("/dev/null").expect("open /dev/null").into(),
+            FdKind::DevZero => File::open("/dev/zero").expect("open /dev/zero").into(),
             FdKind::Socket => {
-                let (a, b) = UnixStream::pair().unwrap();
+                let (a, b) = UnixStream::pair().expect("socketpair");
                 keep.push(b.into());
                 a.into()
             }
-            FdKind::Directory => File::open(dir).unwrap().into(),
+            FdKind::Directory => File::open(dir).expect("open the scratch directory").into(),
             FdKind::RegularFile => {
                 let p = dir.join("regular");
                 let f = std::fs::OpenOptions::new()
@@ -253,8 +264,8 @@ impl FdKind {
                     .read(true)
                     .write(true)
                     .open(&p)
-                    .unwrap();
-                f.set_len(64 * KIB).unwrap();
+                    .expect("create the regular file");
+                f.set_len(64 * KIB).expect("size the regular file");
                 f.into()
             }
         }
@@ -270,6 +281,10 @@ pub enum Reply {
     Closed,
 }
 
+/// The backend has closed the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closed;
+
 /// One message as the header describes it.
 pub fn encode(req: u32, flags: u32, size: u32, payload: &[u8]) -> Vec<u8> {
     let mut msg = Vec::with_capacity(12 + payload.len());
@@ -282,6 +297,7 @@ pub fn encode(req: u32, flags: u32, size: u32, payload: &[u8]) -> Vec<u8> {
 
 /// A frontend that writes the vhost-user wire format itself.
 pub struct Raw {
+    /// The connection to the backend.
     pub sock: UnixStream,
 }
 
@@ -289,11 +305,12 @@ impl Raw {
     /// Connects with 20 s read and write timeouts (a backend that stops reading or answering
     /// fails the test instead of hanging it).
     pub fn connect(path: &Path) -> Raw {
-        let sock = UnixStream::connect(path).unwrap();
+        let sock = UnixStream::connect(path)
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", path.display()));
         sock.set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
+            .expect("set the read timeout");
         sock.set_write_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
+            .expect("set the write timeout");
         Raw { sock }
     }
 
@@ -370,7 +387,8 @@ impl Raw {
             }
             Err(e) => panic!("no reply to request {req}: {e}"),
         }
-        let word = |i: usize| u32::from_le_bytes(hdr[i * 4..i * 4 + 4].try_into().unwrap());
+        let word =
+            |i: usize| u32::from_le_bytes(hdr[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
         assert_eq!(word(0), req, "reply to another request");
         assert_ne!(word(1) & REPLY, 0, "not a reply");
         let mut body = vec![0u8; word(2) as usize];
@@ -378,7 +396,7 @@ impl Raw {
             return Reply::Closed;
         }
         assert_eq!(body.len(), 8, "unexpected reply size");
-        Reply::Ack(u64::from_le_bytes(body[..8].try_into().unwrap()))
+        Reply::Ack(u64::from_le_bytes(body[..8].try_into().expect("8 bytes")))
     }
 
     /// Sends `req` asking for an acknowledgement, and returns it.
@@ -391,7 +409,8 @@ impl Raw {
 
     /// Sends `req` and reads its reply, which carries `body` bytes and one descriptor.
     pub fn request_fd(&mut self, req: u32, payload: &[u8], body: usize) -> (Vec<u8>, File) {
-        self.send(req, VERSION, payload, &[]).unwrap();
+        self.send(req, VERSION, payload, &[])
+            .expect("send the request");
         let mut buf = vec![0u8; 12 + body];
         let mut iov = libc::iovec {
             iov_base: buf.as_mut_ptr().cast(),
@@ -415,14 +434,16 @@ impl Raw {
             assert_eq!((*c).cmsg_type, libc::SCM_RIGHTS);
             File::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>()))
         };
-        let word = |i: usize| u32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().unwrap());
+        let word =
+            |i: usize| u32::from_le_bytes(buf[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
         assert_eq!(word(0), req);
         assert_eq!(word(2) as usize, body);
         (buf[12..].to_vec(), fd)
     }
 
+    /// Sends `req` (no payload) and returns the u64 of its reply.
     pub fn get_u64(&mut self, req: u32) -> u64 {
-        self.send(req, VERSION, &[], &[]).unwrap();
+        self.send(req, VERSION, &[], &[]).expect("send the request");
         match self.reply(req) {
             Reply::Ack(v) => v,
             Reply::Closed => panic!("closed on request {req}"),
@@ -431,22 +452,29 @@ impl Raw {
 
     /// Features, protocol features (with `REPLY_ACK`, so refusals are answered), owner.
     pub fn handshake(&mut self) {
+        self.handshake_with(
+            PF_MQ | PF_REPLY_ACK | PF_INFLIGHT_SHMFD | PF_CONFIGURE_MEM_SLOTS | PF_CONFIG,
+        );
+    }
+
+    /// [`Raw::handshake`] acknowledging the protocol features `protocol` (which the backend must
+    /// offer; `REPLY_ACK` among them for refusals to be answered).
+    pub fn handshake_with(&mut self, protocol: u64) {
         let f = self.get_u64(GET_FEATURES);
         let want = F_VERSION_1 | F_PROTOCOL_FEATURES;
         assert_eq!(f & want, want);
         self.send(SET_FEATURES, VERSION, &want.to_le_bytes(), &[])
-            .unwrap();
+            .expect("send SET_FEATURES");
         let pf = self.get_u64(GET_PROTOCOL_FEATURES);
-        let want = PF_MQ | PF_REPLY_ACK | PF_INFLIGHT_SHMFD | PF_CONFIGURE_MEM_SLOTS | PF_CONFIG;
-        assert_eq!(pf & want, want);
-        self.send(SET_PROTOCOL_FEATURES, VERSION, &want.to_le_bytes(), &[])
-            .unwrap();
+        assert_eq!(pf & protocol, protocol);
+        self.send(SET_PROTOCOL_FEATURES, VERSION, &protocol.to_le_bytes(), &[])
+            .expect("send SET_PROTOCOL_FEATURES");
         assert_eq!(self.request(SET_OWNER, &[], &[]), Reply::Ack(0));
     }
 
     /// Reads whatever the backend sent without waiting, closing any descriptors that came with
-    /// it. `Err(())` once the backend has closed the connection.
-    pub fn drain(&mut self) -> Result<usize, ()> {
+    /// it: how many bytes, or [`Closed`].
+    pub fn drain(&mut self) -> Result<usize, Closed> {
         let mut total = 0;
         loop {
             let mut buf = [0u8; 8192];
@@ -471,23 +499,23 @@ impl Raw {
             };
             close_received(&mh);
             if n == 0 {
-                return Err(());
+                return Err(Closed);
             }
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 return match e.kind() {
                     std::io::ErrorKind::WouldBlock => Ok(total),
                     std::io::ErrorKind::Interrupted => continue,
-                    _ => Err(()),
+                    _ => Err(Closed),
                 };
             }
             total += n as usize;
         }
     }
 
-    /// Waits up to `timeout` for the next bytes from the backend, then drains them. `Err(())`
-    /// once the backend has closed the connection.
-    pub fn wait_some(&mut self, timeout: Duration) -> Result<usize, ()> {
+    /// Waits up to `timeout` for the next bytes from the backend, then drains them: how many
+    /// bytes, or [`Closed`].
+    pub fn wait_some(&mut self, timeout: Duration) -> Result<usize, Closed> {
         let mut p = libc::pollfd {
             fd: self.sock.as_raw_fd(),
             events: libc::POLLIN,
@@ -546,6 +574,7 @@ pub fn region(gpa: u64, size: u64, uaddr: u64, offset: u64) -> Vec<u8> {
         .collect()
 }
 
+/// A SET_MEM_TABLE payload: the region count, padding, then the regions.
 pub fn mem_table(regions: &[Vec<u8>]) -> Vec<u8> {
     let mut p = (regions.len() as u32).to_le_bytes().to_vec();
     p.extend_from_slice(&[0u8; 4]);
@@ -555,12 +584,14 @@ pub fn mem_table(regions: &[Vec<u8>]) -> Vec<u8> {
     p
 }
 
+/// An ADD_MEM_REG / REM_MEM_REG payload: padding, then the region.
 pub fn add_mem_reg(r: &[u8]) -> Vec<u8> {
     let mut p = vec![0u8; 8];
     p.extend_from_slice(r);
     p
 }
 
+/// A SET_INFLIGHT_FD / GET_INFLIGHT_FD payload.
 pub fn inflight(mmap_size: u64, mmap_offset: u64, num_queues: u16, queue_size: u16) -> Vec<u8> {
     let mut p = mmap_size.to_le_bytes().to_vec();
     p.extend_from_slice(&mmap_offset.to_le_bytes());
@@ -570,12 +601,14 @@ pub fn inflight(mmap_size: u64, mmap_offset: u64, num_queues: u16, queue_size: u
     p
 }
 
+/// A vring state payload (SET_VRING_NUM, SET_VRING_BASE, SET_VRING_ENABLE): index, number.
 pub fn vring_state(index: u32, num: u32) -> Vec<u8> {
     let mut p = index.to_le_bytes().to_vec();
     p.extend_from_slice(&num.to_le_bytes());
     p
 }
 
+/// A SET_VRING_ADDR payload: index, flags, then the ring addresses as the frontend sees them.
 pub fn vring_addr(index: u32, flags: u32, desc: u64, used: u64, avail: u64, log: u64) -> Vec<u8> {
     let mut p = vring_state(index, flags);
     for a in [desc, used, avail, log] {
@@ -597,8 +630,10 @@ pub fn config_msg(offset: u32, size: u32, flags: u32, data: &[u8]) -> Vec<u8> {
 /// gpa 0. Once the file is shrunk, only what still lies inside it may be touched (the test
 /// process has no SIGBUS handler).
 pub struct Guest {
+    /// The memfd (shrink it to pull the memory from under the backend).
     pub file: File,
     ptr: *mut u8,
+    /// Its length when created.
     pub len: u64,
 }
 
@@ -606,13 +641,18 @@ pub struct Guest {
 /// table at 0, available ring at 0x400, used ring at 0x800 (size up to 64).
 #[derive(Debug, Clone, Copy)]
 pub struct Ring {
+    /// Entries.
     pub size: u16,
+    /// Guest address of the descriptor table.
     pub desc: u64,
+    /// Guest address of the available ring.
     pub avail: u64,
+    /// Guest address of the used ring.
     pub used: u64,
 }
 
 impl Ring {
+    /// The layout for `size` entries (a power of two, at most 64).
     pub fn new(size: u16) -> Ring {
         assert!(size <= 64 && size.is_power_of_two());
         Ring {
@@ -625,6 +665,7 @@ impl Ring {
 }
 
 impl Guest {
+    /// `len` bytes (at least a page) of a new memfd, mapped.
     pub fn new(len: u64) -> Guest {
         assert!(len >= 4096);
         let file = memfd(len);
@@ -652,6 +693,7 @@ impl Guest {
         self.ptr as u64
     }
 
+    /// Writes `data` at `gpa`.
     pub fn write(&self, gpa: u64, data: &[u8]) {
         assert!(gpa + data.len() as u64 <= self.len);
         // SAFETY: in bounds of the live mapping (checked above); the frontend may write its own
@@ -661,6 +703,7 @@ impl Guest {
         };
     }
 
+    /// The byte at `gpa`.
     pub fn read_u8(&self, gpa: u64) -> u8 {
         assert!(gpa < self.len);
         // SAFETY: in bounds of the live mapping; the backend writes it concurrently, hence the
@@ -668,6 +711,7 @@ impl Guest {
         unsafe { std::ptr::read_volatile(self.ptr.add(gpa as usize)) }
     }
 
+    /// The little-endian u16 at `gpa` (2-aligned).
     pub fn read_u16(&self, gpa: u64) -> u16 {
         assert!(gpa + 2 <= self.len && gpa % 2 == 0);
         // SAFETY: in bounds and aligned (checked above); volatile as the backend writes it.
@@ -702,6 +746,7 @@ impl Guest {
         self.write_u16(ring.avail + 2, idx);
     }
 
+    /// The used ring's index.
     pub fn used_idx(&self, ring: &Ring) -> u16 {
         self.read_u16(ring.used + 2)
     }
@@ -750,7 +795,9 @@ impl Drop for Guest {
 /// Queue `index` of a backend set up on `ring` in `g` (memory table: `g` at gpa 0), plus the
 /// kick and call eventfds.
 pub struct RunningQueue {
+    /// The kick eventfd (see [`kick`]).
     pub kick: File,
+    /// The call eventfd.
     pub call: File,
 }
 
