@@ -10,13 +10,6 @@ use common::*;
 use katablk_rpc::methods::*;
 use katablk_rpc::RpcClient;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

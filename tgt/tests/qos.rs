@@ -11,19 +11,6 @@ use common::*;
 use katablk_rpc::methods::*;
 use katablk_rpc::{RpcClient, RpcError};
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn client(t: &Target) -> RpcClient {
-    RpcClient::builder(&t.rpc)
-        .timeout(Duration::from_secs(30))
-        .build()
-}
-
 thread_local! {
     /// One runtime for the whole test: a client's connection lives on the runtime it was
     /// made on.
@@ -71,42 +58,7 @@ fn limits_are_checked_reported_applied_live_and_kept() {
     let img = image(dir.path(), "disk.img", 64 * MIB);
     let mut t = Target::start(dir.path(), &["--state-dir", state.to_str().unwrap()]);
     let rpc = client(&t);
-    block_on(async {
-        rpc.bdev_aio_create(&BdevAioCreateParams {
-            filename: img.display().to_string(),
-            name: "aio0".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        rpc.bdev_lvol_create_lvstore(&BdevLvolCreateLvstoreParams {
-            bdev_name: "aio0".into(),
-            lvs_name: "lvs0".into(),
-            cluster_sz: Some(1 << 20),
-            clear_method: None,
-            num_md_pages_per_cluster_ratio: None,
-            md_page_size: None,
-        })
-        .await
-        .unwrap();
-        rpc.bdev_lvol_create(&BdevLvolCreateParams {
-            lvol_name: "vol".into(),
-            size_in_mib: 8,
-            thin_provision: Some(false),
-            clear_method: None,
-            uuid: None,
-            lvs_name: Some("lvs0".into()),
-        })
-        .await
-        .unwrap();
-        rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
-            ctrlr: "ctrlr0".into(),
-            dev_name: "lvs0/vol".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    });
+    block_on(provision_lvol(&rpc, &img, 8, false));
     let q = |name: &str| BdevSetQosLimitParams {
         name: name.into(),
         ..Default::default()

@@ -13,52 +13,8 @@ use common::*;
 use katablk_rpc::methods::*;
 use katablk_rpc::RpcClient;
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn provision(rpc: &RpcClient, img: &std::path::Path, thin: bool) -> String {
-    rt().block_on(async {
-        rpc.bdev_aio_create(&BdevAioCreateParams {
-            filename: img.display().to_string(),
-            name: "aio0".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        rpc.bdev_lvol_create_lvstore(&BdevLvolCreateLvstoreParams {
-            bdev_name: "aio0".into(),
-            lvs_name: "lvs0".into(),
-            cluster_sz: Some(1 << 20),
-            clear_method: None,
-            num_md_pages_per_cluster_ratio: None,
-            md_page_size: None,
-        })
-        .await
-        .unwrap();
-        let uuid = rpc
-            .bdev_lvol_create(&BdevLvolCreateParams {
-                lvol_name: "vol".into(),
-                size_in_mib: 32,
-                thin_provision: Some(thin),
-                clear_method: None,
-                uuid: None,
-                lvs_name: Some("lvs0".into()),
-            })
-            .await
-            .unwrap();
-        rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
-            ctrlr: "ctrlr0".into(),
-            dev_name: "lvs0/vol".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        uuid
-    })
+    rt().block_on(provision_lvol(rpc, img, 32, thin))
 }
 
 #[test]

@@ -11,20 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use katablk_rpc::methods::*;
-use katablk_rpc::RpcClient;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn client(t: &Target) -> RpcClient {
-    RpcClient::builder(&t.rpc)
-        .timeout(Duration::from_secs(30))
-        .build()
-}
 
 fn aio(img: &Path) -> BdevAioCreateParams {
     BdevAioCreateParams {
@@ -38,36 +24,7 @@ fn aio(img: &Path) -> BdevAioCreateParams {
 /// flushed. Returns the aio bdev's UUID.
 fn provision(t: &Target, img: &Path) -> String {
     let rpc = client(t);
-    rt().block_on(async {
-        rpc.bdev_aio_create(&aio(img)).await.unwrap();
-        rpc.bdev_lvol_create_lvstore(&BdevLvolCreateLvstoreParams {
-            bdev_name: "aio0".into(),
-            lvs_name: "lvs0".into(),
-            cluster_sz: Some(1 << 20),
-            clear_method: None,
-            num_md_pages_per_cluster_ratio: None,
-            md_page_size: None,
-        })
-        .await
-        .unwrap();
-        rpc.bdev_lvol_create(&BdevLvolCreateParams {
-            lvol_name: "vol".into(),
-            size_in_mib: 8,
-            thin_provision: Some(true),
-            clear_method: None,
-            uuid: None,
-            lvs_name: Some("lvs0".into()),
-        })
-        .await
-        .unwrap();
-        rpc.vhost_create_blk_controller(&VhostCreateBlkControllerParams {
-            ctrlr: "ctrlr0".into(),
-            dev_name: "lvs0/vol".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    });
+    rt().block_on(provision_lvol(&rpc, img, 8, true));
     let mut c = Client::connect(&t.ctrlr_socket("ctrlr0"), 1, false).unwrap();
     assert_eq!(c.write(0, 4096, &fill(7, 65536)), 0);
     assert_eq!(c.flush(0), 0);

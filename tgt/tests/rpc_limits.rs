@@ -11,20 +11,6 @@ use std::time::Duration;
 
 use common::*;
 use katablk_rpc::methods::*;
-use katablk_rpc::RpcClient;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn client(t: &Target) -> RpcClient {
-    RpcClient::builder(&t.rpc)
-        .timeout(Duration::from_secs(30))
-        .build()
-}
 
 fn connect(t: &Target) -> UnixStream {
     let s = UnixStream::connect(&t.rpc).unwrap();
