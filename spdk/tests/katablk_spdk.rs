@@ -6,42 +6,29 @@
 
 #[cfg(feature = "spdk")]
 mod with_spdk {
-    use std::mem::MaybeUninit;
     use std::path::{Path, PathBuf};
-    use std::process::{Child, Command, Output, Stdio};
+    use std::process::Output;
     use std::time::{Duration, Instant};
 
-    use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+    use blkio::{Blkio, ReqFlags};
+    use katablk_test_support::blk::Client;
+    use katablk_test_support::daemon::Daemon;
+    use katablk_test_support::{pattern, spdk_rpc};
 
+    /// `$SPDK_RPC` or `spdk-rpc` on `PATH`, else the venv `scripts/setup-debian.sh` makes.
     fn spdk_rpc_bin() -> PathBuf {
-        if let Some(p) = std::env::var_os("SPDK_RPC") {
-            return PathBuf::from(p);
-        }
-        let venv = PathBuf::from("/opt/katablk/spdk-venv/bin/spdk-rpc");
-        if venv.exists() {
-            return venv;
-        }
-        PathBuf::from("spdk-rpc")
+        spdk_rpc::installed()
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| PathBuf::from("/opt/katablk/spdk-venv/bin/spdk-rpc"))
     }
 
     fn rpc(sock: &Path, args: &[&str]) -> Output {
-        Command::new(spdk_rpc_bin())
-            .arg("-s")
-            .arg(sock)
-            .args(args)
-            .output()
-            .expect("spdk-rpc (PyPI spdk; scripts/setup-debian.sh installs it)")
+        spdk_rpc::run(&spdk_rpc_bin(), sock, args)
     }
 
     fn rpc_ok(sock: &Path, args: &[&str]) -> String {
-        let o = rpc(sock, args);
-        assert!(
-            o.status.success(),
-            "spdk-rpc {args:?}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).trim().to_string()
+        spdk_rpc::run_ok(&spdk_rpc_bin(), sock, args)
     }
 
     /// Deletes controller `name` once its client has gone (refused with -16 until then).
@@ -69,79 +56,13 @@ mod with_spdk {
         )
     }
 
-    struct Blk {
-        _b: Blkio,
-        q: Blkioq,
-        region: MemoryRegion,
-        capacity: u64,
-    }
-
-    impl Blk {
-        fn connect(sock: &Path) -> Blk {
-            Self::connect_as(sock, false)
-        }
-
-        fn connect_as(sock: &Path, read_only: bool) -> Blk {
-            let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
-            b.set_str("path", sock.to_str().unwrap()).unwrap();
-            b.set_bool("read-only", read_only).unwrap();
-            b.connect().unwrap();
-            b.set_i32("num-queues", 1).unwrap();
-            let mut out = b.start().unwrap();
-            let capacity = b.get_u64("capacity").unwrap();
-            let region = b.alloc_mem_region(4 << 20).unwrap();
-            b.map_mem_region(&region).unwrap();
-            Blk {
-                q: out.queues.remove(0),
-                _b: b,
-                region,
-                capacity,
-            }
-        }
-
-        fn wait(&mut self) -> i32 {
-            let mut c = [MaybeUninit::<Completion>::uninit()];
-            let mut t = Duration::from_secs(30);
-            assert_eq!(self.q.do_io(&mut c, 1, Some(&mut t), None).unwrap(), 1);
-            // SAFETY: do_io initialised it.
-            unsafe { c[0].assume_init_ref() }.ret
-        }
-
-        fn write(&mut self, off: u64, data: &[u8]) -> i32 {
-            let p = self.region.addr as *mut u8;
-            // SAFETY: the region is ours and 4 MiB long.
-            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
-            self.q.write(off, p, data.len(), 0, ReqFlags::empty());
-            self.wait()
-        }
-
-        fn read(&mut self, off: u64, len: usize) -> Vec<u8> {
-            let p = self.region.addr as *mut u8;
-            self.q.read(off, p, len, 0, ReqFlags::empty());
-            assert_eq!(self.wait(), 0);
-            // SAFETY: `len` bytes were just read into the region.
-            unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
-        }
-
-        fn flush(&mut self) -> i32 {
-            self.q.flush(0, ReqFlags::empty());
-            self.wait()
-        }
-    }
-
-    fn pattern(seed: u64, len: usize) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u64 ^ seed.wrapping_mul(0x9e37)) as u8)
-            .collect()
+    /// A one-queue libblkio client of `sock`.
+    fn blk(sock: &Path, read_only: bool) -> Client {
+        Client::connect(sock, 1, read_only).unwrap()
     }
 
     fn start(dir: &Path, sockets: &Path, rpc_sock: &Path, extra: &[&str]) -> Daemon {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("log"))
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_katablk-spdk"))
+        Daemon::new(env!("CARGO_BIN_EXE_katablk-spdk"))
             .args([
                 "-S",
                 sockets.to_str().unwrap(),
@@ -158,56 +79,19 @@ mod with_spdk {
             ])
             .args(extra)
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let mut d = Daemon(child);
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(rpc_sock).is_err() {
-            if let Some(st) = d.0.try_wait().unwrap() {
-                panic!(
-                    "katablk-spdk exited: {st}: {}",
-                    std::fs::read_to_string(dir.join("log")).unwrap_or_default()
-                );
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "katablk-spdk did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
+            .log(dir.join("log"))
+            .wait_for_socket(rpc_sock)
+            .timeout(Duration::from_secs(60))
+            .start()
     }
 
-    fn sigterm(d: &mut Daemon, dir: &Path) {
-        // SAFETY: plain kill(2) on our child.
-        unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        let st = loop {
-            if let Some(st) = d.0.try_wait().unwrap() {
-                break st;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "no exit after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
+    fn sigterm(d: &mut Daemon) {
+        let st = d.term_within(Duration::from_secs(30));
         assert!(
-            st.success(),
-            "exit {st}: {}",
-            std::fs::read_to_string(dir.join("log")).unwrap_or_default()
+            st.is_some_and(|s| s.success()),
+            "exit {st:?} after SIGTERM: {}",
+            d.log_text()
         );
-    }
-
-    struct Daemon(Child);
-    impl Drop for Daemon {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
 
     /// An NVMe bdev (SPDK's NVMe driver, over NVMe/TCP from SPDK's own nvmf_tgt on loopback)
@@ -222,8 +106,7 @@ mod with_spdk {
         };
         let dir = tempfile::tempdir().unwrap();
         let nsock = dir.path().join("nvmf.sock");
-        let nlog = std::fs::File::create(dir.path().join("nvmf.log")).unwrap();
-        let tgt = Command::new(nvmf)
+        let _tgt = Daemon::new(nvmf)
             .args([
                 "-m",
                 "0x1",
@@ -233,20 +116,10 @@ mod with_spdk {
                 "--disable-cpumask-locks",
             ])
             .args(["-r", nsock.to_str().unwrap()])
-            .stdin(Stdio::null())
-            .stdout(nlog.try_clone().unwrap())
-            .stderr(nlog)
-            .spawn()
-            .unwrap();
-        let _tgt = Daemon(tgt);
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&nsock).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "nvmf_tgt did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .log(dir.path().join("nvmf.log"))
+            .wait_for_socket(&nsock)
+            .timeout(Duration::from_secs(60))
+            .start();
         let port = 44000 + (std::process::id() % 1000);
         let port = port.to_string();
         let nqn = "nqn.2026-12.io.katablk:test";
@@ -296,16 +169,16 @@ mod with_spdk {
             serde_json::from_str(&rpc_ok(s, &["bdev_get_bdevs", "-b", "Nvme0n1"])).unwrap();
         assert_eq!(b[0]["product_name"], "NVMe disk");
         rpc_ok(s, &["vhost_create_blk_controller", "vnvme", "Nvme0n1"]);
-        let mut c = Blk::connect(&sockets.join("vnvme"));
+        let mut c = blk(&sockets.join("vnvme"), false);
         assert_eq!(c.capacity, 32 << 20);
         for (i, off) in [0u64, 65536, (32 << 20) - 65536].iter().enumerate() {
-            let data = pattern(i as u64 + 11, 65536);
-            assert_eq!(c.write(*off, &data), 0);
-            assert_eq!(c.read(*off, 65536), data, "offset {off}");
+            let data = pattern::seeded(i as u64 + 11, 65536);
+            assert_eq!(c.write(0, *off, &data), 0);
+            assert_eq!(c.read_ok(0, *off, 65536), data, "offset {off}");
         }
-        assert_eq!(c.flush(), 0);
+        assert_eq!(c.flush(0), 0);
         drop(c);
-        sigterm(&mut d, dir.path());
+        sigterm(&mut d);
     }
 
     pub fn run() {
@@ -368,18 +241,18 @@ mod with_spdk {
         assert!(e.contains("No such device"), "{e}");
 
         // Data through the controller (lvol on the aio bdev).
-        let mut b = Blk::connect(&sock0);
+        let mut b = blk(&sock0, false);
         assert_eq!(b.capacity, 64 << 20);
         for (i, off) in [0u64, 4096, 1 << 20, (64 << 20) - 65536].iter().enumerate() {
-            let data = pattern(i as u64 + 1, 65536);
-            assert_eq!(b.write(*off, &data), 0);
-            assert_eq!(b.read(*off, 65536), data, "offset {off}");
+            let data = pattern::seeded(i as u64 + 1, 65536);
+            assert_eq!(b.write(0, *off, &data), 0);
+            assert_eq!(b.read_ok(0, *off, 65536), data, "offset {off}");
         }
-        assert_eq!(b.flush(), 0);
+        assert_eq!(b.flush(0), 0);
         // Out of range is an I/O error, not a crash.
         let p = b.region.addr as *mut u8;
-        b.q.read(64 << 20, p, 4096, 0, ReqFlags::empty());
-        assert_ne!(b.wait(), 0);
+        b.queues[0].read(64 << 20, p, 4096, 0, ReqFlags::empty());
+        assert_ne!(b.wait1(0), 0);
         let ctrl: serde_json::Value =
             serde_json::from_str(&rpc_ok(s, &["vhost_get_controllers", "-n", "vhostblk0"]))
                 .unwrap();
@@ -398,14 +271,14 @@ mod with_spdk {
         let refused = w.connect().is_err() || w.start().is_err();
         assert!(refused, "writable connection to a read-only controller");
         drop(w);
-        let mut r = Blk::connect_as(&sockets.join("vro"), true);
+        let mut r = blk(&sockets.join("vro"), true);
         assert_eq!(r.capacity, 16 << 20);
-        assert_eq!(r.read(0, 4096), vec![0u8; 4096]);
+        assert_eq!(r.read_ok(0, 0, 4096), vec![0u8; 4096]);
         drop(r);
 
         // The data is on the lvol: reconnect and read it back.
-        let mut b = Blk::connect(&sock0);
-        assert_eq!(b.read(4096, 65536), pattern(2, 65536));
+        let mut b = blk(&sock0, false);
+        assert_eq!(b.read_ok(0, 4096, 65536), pattern::seeded(2, 65536));
         // Online resize: SPDK's resize event is announced to the connected frontend with
         // CONFIG_CHANGE_MSG (libblkio opens no backend channel, so only the attempt is seen
         // here; the QEMU guest test of the spdk provider checks the guest sees it), and the
@@ -424,7 +297,7 @@ mod with_spdk {
             std::thread::sleep(Duration::from_millis(50));
         }
         drop(b);
-        let b = Blk::connect(&sock0);
+        let b = blk(&sock0, false);
         assert_eq!(b.capacity, 96 << 20);
         drop(b);
         delete_when_idle(s, "vhostblk0");
@@ -435,8 +308,8 @@ mod with_spdk {
         // is closed), the controller goes away with its socket.
         rpc_ok(s, &["bdev_malloc_create", "-b", "Malloc1", "8", "512"]);
         rpc_ok(s, &["vhost_create_blk_controller", "vhot", "Malloc1"]);
-        let mut h = Blk::connect(&sockets.join("vhot"));
-        assert_eq!(h.write(0, &pattern(5, 4096)), 0);
+        let mut h = blk(&sockets.join("vhot"), false);
+        assert_eq!(h.write(0, 0, &pattern::seeded(5, 4096)), 0);
         rpc_ok(s, &["bdev_malloc_delete", "Malloc1"]);
         let t0 = Instant::now();
         while rpc(s, &["vhost_get_controllers", "-n", "vhot"])
@@ -454,7 +327,7 @@ mod with_spdk {
 
         // Restart: the lvstore (SPDK's own blobstore format, on the file) comes back when the
         // aio bdev is created again, with the data written through katablk's data plane.
-        sigterm(&mut d, dir.path());
+        sigterm(&mut d);
         assert!(!sock0.exists() && !sockets.join("vro").exists());
         // ... now with the queue workers on their own threads (--worker-threads).
         let mut d = start(dir.path(), &sockets, &rpc_sock, &["--worker-threads"]);
@@ -467,21 +340,21 @@ mod with_spdk {
             s,
             &["vhost_create_blk_controller", "vhostblk0", "lvs0/lvol0"],
         );
-        let mut b = Blk::connect(&sock0);
+        let mut b = blk(&sock0, false);
         for (i, off) in [0u64, 4096, 1 << 20, (64 << 20) - 65536].iter().enumerate() {
             if i == 0 {
                 continue; // overwritten by the 4096 write above
             }
             assert_eq!(
-                b.read(*off, 65536),
-                pattern(i as u64 + 1, 65536),
+                b.read_ok(0, *off, 65536),
+                pattern::seeded(i as u64 + 1, 65536),
                 "after restart, {off}"
             );
         }
         drop(b);
         delete_when_idle(s, "vhostblk0");
         rpc_ok(s, &["bdev_lvol_delete", "lvs0/lvol0"]);
-        sigterm(&mut d, dir.path());
+        sigterm(&mut d);
     }
 }
 

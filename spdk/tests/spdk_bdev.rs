@@ -57,9 +57,7 @@ mod with_spdk {
     }
 
     fn pattern(seed: u8, len: usize) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-            .collect()
+        katablk_test_support::pattern::seeded(u64::from(seed), len)
     }
 
     fn exercise(dev: &SpdkBdev, label: &str) {
