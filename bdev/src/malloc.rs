@@ -1,4 +1,7 @@
 //! The RAM device (SPDK's malloc bdev): an anonymous private mapping, populated on first touch.
+//!
+//! The mapping asks for transparent huge pages (a random access then costs no page-table walk
+//! of its own), and writes go with streaming stores (a written line is not read first).
 
 use std::sync::Arc;
 
