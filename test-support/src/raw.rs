@@ -475,6 +475,16 @@ impl Raw {
     /// Reads whatever the backend sent without waiting, closing any descriptors that came with
     /// it: how many bytes, or [`Closed`].
     pub fn drain(&mut self) -> Result<usize, Closed> {
+        self.recv_available(None)
+    }
+
+    /// [`Raw::drain`], appending the bytes to `out`.
+    pub fn drain_into(&mut self, out: &mut Vec<u8>) -> Result<usize, Closed> {
+        self.recv_available(Some(out))
+    }
+
+    /// Reads without waiting until nothing is left, appending the bytes to `out` if given.
+    fn recv_available(&mut self, mut out: Option<&mut Vec<u8>>) -> Result<usize, Closed> {
         let mut total = 0;
         loop {
             let mut buf = [0u8; 8192];
@@ -509,6 +519,9 @@ impl Raw {
                     _ => Err(Closed),
                 };
             }
+            if let Some(out) = out.as_deref_mut() {
+                out.extend_from_slice(&buf[..n as usize]);
+            }
             total += n as usize;
         }
     }
@@ -516,6 +529,26 @@ impl Raw {
     /// Waits up to `timeout` for the next bytes from the backend, then drains them: how many
     /// bytes, or [`Closed`].
     pub fn wait_some(&mut self, timeout: Duration) -> Result<usize, Closed> {
+        if !self.readable_within(timeout) {
+            return Ok(0);
+        }
+        self.drain()
+    }
+
+    /// [`Raw::wait_some`], appending the bytes to `out`.
+    pub fn wait_some_into(
+        &mut self,
+        timeout: Duration,
+        out: &mut Vec<u8>,
+    ) -> Result<usize, Closed> {
+        if !self.readable_within(timeout) {
+            return Ok(0);
+        }
+        self.drain_into(out)
+    }
+
+    /// True once the socket has something to read (or was closed), waiting up to `timeout`.
+    fn readable_within(&self, timeout: Duration) -> bool {
         let mut p = libc::pollfd {
             fd: self.sock.as_raw_fd(),
             events: libc::POLLIN,
@@ -523,11 +556,7 @@ impl Raw {
         };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        if r <= 0 {
-            return Ok(0);
-        }
-        self.drain()
+        unsafe { libc::poll(&mut p, 1, ms) > 0 }
     }
 
     /// True once the backend has closed the connection (within 20 s).

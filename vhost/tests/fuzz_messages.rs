@@ -23,7 +23,7 @@ mod common;
 use std::fmt;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -1000,7 +1000,9 @@ impl Replies {
     /// Reads what is there (waiting up to `timeout` for something) and returns the request
     /// codes of the complete replies now parsed. Err once the backend closed the connection.
     fn read(&mut self, raw: &mut Raw, timeout: Duration) -> Result<Vec<u32>, ()> {
-        recv_into(raw, &mut self.buf, timeout)?;
+        // Appends what arrived (waiting up to `timeout` for the first bytes), closing the
+        // descriptors that came along.
+        raw.wait_some_into(timeout, &mut self.buf).map_err(|_| ())?;
         let mut codes = Vec::new();
         while self.buf.len() >= 12 {
             let code = u32::from_le_bytes(self.buf[0..4].try_into().unwrap());
@@ -1013,71 +1015,6 @@ impl Replies {
             codes.push(code);
         }
         Ok(codes)
-    }
-}
-
-/// Appends what the backend sent (waiting up to `timeout` for the first bytes), closing the
-/// descriptors that came along. Err once the connection is closed.
-fn recv_into(raw: &mut Raw, out: &mut Vec<u8>, timeout: Duration) -> Result<(), ()> {
-    let mut p = libc::pollfd {
-        fd: raw.sock.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd for the duration of the call.
-    if unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) } <= 0 {
-        return Ok(());
-    }
-    loop {
-        let mut buf = [0u8; 8192];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        let mut cmsg = [0u64; 40];
-        // SAFETY: a zeroed msghdr is valid; the pointers set below refer to live buffers.
-        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-        mh.msg_iov = &mut iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = cmsg.as_mut_ptr().cast();
-        mh.msg_controllen = std::mem::size_of_val(&cmsg);
-        // SAFETY: `mh` describes valid buffers for the duration of the call.
-        let n = unsafe {
-            libc::recvmsg(
-                raw.sock.as_raw_fd(),
-                &mut mh,
-                libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
-            )
-        };
-        if mh.msg_controllen > 0 {
-            // SAFETY: walks the control buffer recvmsg filled in, bounded by msg_controllen;
-            // SCM_RIGHTS payloads are descriptors now owned by this process, closed once.
-            unsafe {
-                let mut c = libc::CMSG_FIRSTHDR(&mh);
-                while !c.is_null() {
-                    if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                        let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                        let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
-                        for i in 0..count {
-                            libc::close(std::ptr::read_unaligned(data.add(i)));
-                        }
-                    }
-                    c = libc::CMSG_NXTHDR(&mh, c);
-                }
-            }
-        }
-        match n {
-            0 => return Err(()),
-            n if n > 0 => out.extend_from_slice(&buf[..n as usize]),
-            _ => {
-                let e = std::io::Error::last_os_error();
-                return match e.kind() {
-                    std::io::ErrorKind::WouldBlock => Ok(()),
-                    std::io::ErrorKind::Interrupted => continue,
-                    _ => Err(()),
-                };
-            }
-        }
     }
 }
 
