@@ -20,16 +20,13 @@ use vhost::vhost_user::{
 use vhost::VhostUserMemoryRegionBase;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{
-    GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion,
-    GuestRegionMmap,
-};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{self, BlkOptions, CONFIG_SPACE_LEN, MAX_MEM_SLOTS};
 use crate::fdcheck::check_mappable;
 use crate::inflight::InflightRegion;
-use crate::queue::{Cmd, DeviceShared, VringCtx, WorkerHandle};
+use crate::queue::{Cmd, DeviceShared, MemTable, VringCtx, WorkerHandle};
 use crate::sigbus::{self, Protection};
 use crate::{Error, GuestMem};
 
@@ -66,7 +63,7 @@ struct Vring {
 pub struct BlkBackend {
     shared: Arc<DeviceShared>,
     opts: BlkOptions,
-    mem: GuestMemoryAtomic<GuestMem>,
+    mem: MemTable,
     mappings: Vec<Mapping>,
     owned: bool,
     acked_features: u64,
@@ -101,7 +98,7 @@ impl BlkBackend {
         if !sigbus::install() {
             warn!("no SIGBUS handler: a frontend shrinking its memory would kill the process");
         }
-        let mem = GuestMemoryAtomic::new(GuestMem::new());
+        let mem = MemTable::new(GuestMem::new());
         let mut queue_worker = vec![0usize; usize::from(opts.num_queues)];
         let mut workers = Vec::new();
         for (t, mask) in mapping.iter().enumerate() {
@@ -367,8 +364,8 @@ impl BlkBackend {
         self.acked_protocol = 0;
         self.inflight = None;
         self.mappings.clear();
-        if let Ok(g) = self.mem.lock() {
-            g.replace(GuestMem::new());
+        if let Err(e) = self.mem.replace(GuestMem::new()) {
+            warn!("reset: {e}");
         }
         self.sync_registration();
         self.fatal = None;
@@ -481,7 +478,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             });
         }
         let mem = GuestMem::from_arc_regions(regions).map_err(err)?;
-        self.mem.lock().map_err(err)?.replace(mem);
+        self.mem.replace(mem).map_err(err)?;
         self.mappings = mappings;
         self.protected.extend(protected);
         self.sync_registration();
@@ -728,7 +725,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         let slot = self.mappings.len();
         let r = self.map_region(format!("memory slot {slot}"), region, fd, &mut protected)?;
         let mem = self.mem.memory().insert_region(r).map_err(err)?;
-        self.mem.lock().map_err(err)?.replace(mem);
+        self.mem.replace(mem).map_err(err)?;
         self.protected.extend(protected);
         self.mappings.push(Mapping {
             user_addr: region.user_addr,
@@ -749,7 +746,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             .map_err(err)?;
         // Requests in flight keep their own snapshot of the old table, so the removed region
         // stays mapped until they complete.
-        self.mem.lock().map_err(err)?.replace(mem);
+        self.mem.replace(mem).map_err(err)?;
         self.mappings.retain(|m| m.gpa != region.guest_phys_addr);
         self.sync_registration();
         let gpa = region.guest_phys_addr;
