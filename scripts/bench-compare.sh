@@ -18,6 +18,8 @@ QSD=${QSD:-qemu-storage-daemon}                  # the reference server
 KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/target/release/katablk-target} # the embedded target
 KATABLK_SPDK=${KATABLK_SPDK:-$ROOT/target/spdk/release/katablk-spdk} # SPDK bdevs + katablk vhost (server kspdk)
 SPDK_VHOST=${SPDK_VHOST:-}                       # SPDK's vhost app (server spdk), e.g. <spdk>/build/bin/vhost
+CH_VUB=${CH_VUB:-}                               # cloud-hypervisor's vhost_user_block (server chvub)
+CH_EXTRA=${CH_EXTRA:-poll_queue=true}            # extra --block-backend options of chvub
 SPDK_MEM_MIB=${SPDK_MEM_MIB:-2048}               # -s of SPDK's vhost / katablk-spdk (hugepages)
 SPDK_CPUMASK=${SPDK_CPUMASK:-0x1}                # reactor mask of SPDK's vhost / katablk-spdk
 BENCH_BIN_DIR=${BENCH_BIN_DIR:-$CARGO_TARGET_DIR/release}
@@ -37,6 +39,8 @@ SERVERS=${SERVERS:-"katablk qsd"}                # run order within a round (kat
                                                  # are extra QSD instances (A/A noise check)
 CANDIDATE=${CANDIDATE:-katablk}                  # ratios are CANDIDATE / BASELINE
 BASELINE=${BASELINE:-qsd}
+EXTRA_BASELINES=${EXTRA_BASELINES:-}             # more summaries, every server over each of these
+                                                 # (summary-vs-NAME.md), e.g. chvub
 SERVER_CPUS=${SERVER_CPUS:-}                     # pin the server with taskset -c (e.g. 0)
 CLIENT_CPUS=${CLIENT_CPUS:-}                     # pin katablk-bench with taskset -c (e.g. 1)
 IMG_MIB=${IMG_MIB:-1024}
@@ -157,6 +161,14 @@ for s in $SERVERS; do
             NOTES+=("spdk side skipped: SPDK_VHOST not set")
         fi
         ;;
+    chvub)
+        if [ -n "$CH_VUB" ] && [ -x "$CH_VUB" ]; then
+            active+=(chvub)
+        else
+            log "SKIPPING chvub: set CH_VUB to cloud-hypervisor's vhost_user_block binary"
+            NOTES+=("chvub side skipped: CH_VUB not set")
+        fi
+        ;;
     qsd*)
         if command -v "$QSD" >/dev/null 2>&1; then
             active+=("$s")
@@ -165,7 +177,7 @@ for s in $SERVERS; do
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;
-    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, kspdk, spdk, qsd2, ...)" ;;
+    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, kspdk, spdk, chvub, qsd2, ...)" ;;
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
@@ -267,6 +279,17 @@ start_server() {
         esac
         # shellcheck disable=SC2206
         cmd+=($KATABLK_EXTRA)
+    elif [ "$server" = chvub ]; then
+        # One file backend; RAM cases use the tmpfs file, as for qsd. Its queues are served by
+        # one thread each (poll_queue=true: busy-polls after each request, as CH ships it).
+        local img=$TMPFS_IMG direct=false
+        case $case in
+        file | aio-file | lvol-file)
+            img=$FILE_IMG
+            [ "$DIRECT" = 1 ] && direct=true
+            ;;
+        esac
+        cmd=("$CH_VUB" --block-backend "path=$img,socket=$sock,num_queues=$NUM_QUEUES,direct=$direct${CH_EXTRA:+,$CH_EXTRA}")
     else
         local blockdev
         case $case in
@@ -395,6 +418,7 @@ server_has() {
     case $2 in
     thin-first-write) [ "$1" = target ] ;;
     lvol-file) case $1 in kspdk | spdk) return 1 ;; *) return 0 ;; esac ;; # SPDK cannot open katablk's lvstore image
+    null) [ "$1" != chvub ] ;; # no null backend in vhost_user_block
     *) return 0 ;;
     esac
 }
@@ -469,8 +493,10 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "qsd: $("$QSD" --version 2>/dev/null | head -1 || echo absent)"
     echo "katablk-target: $KATABLK_TARGET ($([ -x "$KATABLK_TARGET" ] && echo present || echo absent))"
     echo "katablk-vhost: $KATABLK_VHOST ($([ -x "$KATABLK_VHOST" ] && echo present || echo absent))"
+    echo "chvub: ${CH_VUB:-unset}"
+    echo "spdk: ${SPDK_VHOST:-unset}"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS CH_EXTRA EXTRA_BASELINES; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
@@ -579,6 +605,10 @@ fi
 note_args=()
 for n in "${NOTES[@]+"${NOTES[@]}"}"; do note_args+=(--note "$n"); done
 "$BENCH_BIN_DIR/katablk-bench-summary" "$OUT" --baseline "$BASELINE" --candidate "$CANDIDATE" "${note_args[@]+"${note_args[@]}"}"
+for b in $EXTRA_BASELINES; do
+    "$BENCH_BIN_DIR/katablk-bench-summary" "$OUT" --baseline "$b" --candidate "$CANDIDATE" \
+        --output "summary-vs-$b" "${note_args[@]+"${note_args[@]}"}"
+done
 "$BENCH_BIN_DIR/katablk-bench-plot" "$OUT/summary.json" --out "$OUT"
 # Raw data into one archive for committing (PACK=0 keeps raw/ and logs/ as directories).
 [ "${PACK:-1}" = 0 ] || "$ROOT/scripts/bench-pack.sh" "$OUT"

@@ -20,6 +20,10 @@ struct Args {
     /// Server divided by the baseline (numerator).
     #[arg(long, default_value = "katablk")]
     candidate: String,
+    /// File stem of the outputs in DIR: STEM.json and STEM.md (e.g. summary-vs-chvub for a
+    /// second summary over another baseline).
+    #[arg(long, default_value = "summary")]
+    output: String,
     /// Extra note to record in the summary (repeatable).
     #[arg(long)]
     note: Vec<String>,
@@ -37,8 +41,8 @@ fn run(args: &Args) -> Result<()> {
         .unwrap_or_else(|| "results".to_string());
     let mut s = summary::build(&name, &reports, &args.baseline, &args.candidate);
     s.notes.extend(args.note.iter().cloned());
-    let json = args.dir.join("summary.json");
-    let md = args.dir.join("summary.md");
+    let json = args.dir.join(format!("{}.json", args.output));
+    let md = args.dir.join(format!("{}.md", args.output));
     s.write_json(&json)?;
     std::fs::write(&md, s.to_markdown())?;
     println!(
