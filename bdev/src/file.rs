@@ -169,6 +169,7 @@ impl FileDevice {
                 path: path.to_path_buf(),
                 is_blockdev,
                 memory_backed,
+                page_cache: !is_blockdev && !memory_backed && !opts.direct,
                 num_blocks: std::sync::atomic::AtomicU64::new(info.num_blocks),
                 info,
             }),

@@ -19,6 +19,10 @@ pub(crate) struct FileInner {
     /// The file lives in memory (tmpfs, ramfs): requests never block, so small ones are done
     /// inline (io_uring would punt tmpfs I/O to its worker threads).
     pub(crate) memory_backed: bool,
+    /// A regular file on a storage-backed filesystem opened without `O_DIRECT`: writes land in
+    /// the page cache, and io_uring may hand them to its workers (ext4 has no non-blocking
+    /// buffered writes), so small ones are done inline while they stay quick.
+    pub(crate) page_cache: bool,
     pub(crate) info: DeviceInfo,
     /// Current capacity in blocks (changed by [`BlockDevice::rescan`]).
     pub(crate) num_blocks: std::sync::atomic::AtomicU64,
