@@ -538,6 +538,13 @@ measure() {
         server_has "$server" "$case" || continue
         seq_no=$((seq_no + 1))
         tag=$(printf '%03d-%s-%s-%s-r%d' "$seq_no" "$case" "$wl" "$server" "$round")
+        if [ "$case" = file ] && [ "$DIRECT" != 1 ]; then
+            # Every server starts alike: the writes of the previous run written back (pages
+            # under writeback make buffered writes wait) and the whole image in the page cache
+            # again (O_DIRECT writes of SPDK's AIO bdev drop the pages they write).
+            sync "$FILE_IMG"
+            cat "$FILE_IMG" >/dev/null
+        fi
         start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
         prefill_run "$server" "$case" "$wl" "$tag"
         if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
