@@ -575,24 +575,24 @@ impl IoChannel for UringChannel {
                 self.complete_now(req.token, result);
                 return Ok(());
             }
-            IoOp::Write
-                if self.inner.page_cache
-                    && req.len <= PAGE_CACHE_WRITE_MAX
-                    && self.write_gate.allows(Instant::now()) =>
-            {
+            IoOp::Write if self.inner.page_cache && req.len <= PAGE_CACHE_WRITE_MAX => {
                 let start = Instant::now();
-                // SAFETY: `submit`'s contract keeps the buffers valid for this call.
-                let result = unsafe { self.inner.exec_blocking(req) };
-                let end = Instant::now();
-                if self.write_gate.record(start, end) {
-                    tracing::debug!(
-                        path = %self.inner.path.display(),
-                        took_us = end.duration_since(start).as_micros() as u64,
-                        "a buffered write blocked: writes go to io_uring's workers for a while"
-                    );
+                if !self.write_gate.allows(start) {
+                    Kind::Write
+                } else {
+                    // SAFETY: `submit`'s contract keeps the buffers valid for this call.
+                    let result = unsafe { self.inner.exec_blocking(req) };
+                    let end = Instant::now();
+                    if self.write_gate.record(start, end) {
+                        tracing::debug!(
+                            path = %self.inner.path.display(),
+                            took_us = end.duration_since(start).as_micros() as u64,
+                            "a buffered write blocked: writes go to io_uring's workers for a while"
+                        );
+                    }
+                    self.complete_now(req.token, result);
+                    return Ok(());
                 }
-                self.complete_now(req.token, result);
-                return Ok(());
             }
             IoOp::Read => Kind::Read,
             IoOp::Write => Kind::Write,
@@ -1072,27 +1072,19 @@ mod tests {
         let mut small = vec![0x11u8; 4096];
         let mut large = vec![0x22u8; (PAGE_CACHE_WRITE_MAX + 4096) as usize];
         let mut paused = vec![0x33u8; 8192];
-        let req = |buf: &mut [u8], offset, token| {
-            (
-                vec![iovec {
-                    iov_base: buf.as_mut_ptr().cast(),
-                    iov_len: buf.len(),
-                }],
+        fn write(iov: &[iovec], offset: u64, token: u64) -> IoRequest<'_> {
+            IoRequest {
+                op: IoOp::Write,
                 offset,
+                len: iov.iter().map(|v| v.iov_len as u64).sum(),
+                iov,
                 token,
-            )
-        };
+            }
+        }
         let mut out = Vec::new();
-        let (iov, off, tok) = req(&mut small, 0, 1);
-        let w = IoRequest {
-            op: IoOp::Write,
-            offset: off,
-            len: 4096,
-            iov: &iov,
-            token: tok,
-        };
+        let iov = iovs_of(&mut small, &[]);
         // SAFETY: `small` outlives the completion, which is polled right after.
-        unsafe { ch.submit(&w).unwrap() };
+        unsafe { ch.submit(&write(&iov, 0, 1)).unwrap() };
         assert_eq!(ch.in_ring, 0, "a small write is done inline");
         ch.poll(&mut out);
         assert_eq!(
@@ -1103,16 +1095,9 @@ mod tests {
             }]
         );
 
-        let (iov, off, tok) = req(&mut large, 1 << 20, 2);
-        let w = IoRequest {
-            op: IoOp::Write,
-            offset: off,
-            len: iov[0].iov_len as u64,
-            iov: &iov,
-            token: tok,
-        };
+        let iov = iovs_of(&mut large, &[]);
         // SAFETY: `large` outlives the completion, which is waited for below.
-        unsafe { ch.submit(&w).unwrap() };
+        unsafe { ch.submit(&write(&iov, 1 << 20, 2)).unwrap() };
         assert_eq!(ch.in_ring, 1, "a large write goes to the ring");
         ch.commit().unwrap();
         let c = run(&mut ch, 1);
@@ -1120,16 +1105,9 @@ mod tests {
 
         ch.write_gate
             .record(Instant::now(), Instant::now() + Duration::from_secs(1));
-        let (iov, off, tok) = req(&mut paused, 8192, 3);
-        let w = IoRequest {
-            op: IoOp::Write,
-            offset: off,
-            len: 8192,
-            iov: &iov,
-            token: tok,
-        };
+        let iov = iovs_of(&mut paused, &[]);
         // SAFETY: `paused` outlives the completion, which is waited for below.
-        unsafe { ch.submit(&w).unwrap() };
+        unsafe { ch.submit(&write(&iov, 8192, 3)).unwrap() };
         assert_eq!(
             ch.in_ring, 1,
             "a paused gate sends small writes to the ring"
