@@ -25,6 +25,7 @@ pub mod fdcheck;
 pub mod inflight;
 pub(crate) mod queue;
 pub mod request;
+mod ring;
 pub mod server;
 pub(crate) mod sigbus;
 

@@ -26,6 +26,7 @@ use crate::chain::{self, Seg};
 use crate::config::SECTOR_SIZE;
 use crate::inflight::InflightQueue;
 use crate::request::{self, Kind, Range, Request, Status};
+use crate::ring;
 use crate::sigbus::Poison;
 use crate::{Error, GuestMem};
 
@@ -240,20 +241,6 @@ impl Drop for WorkerHandle {
 /// The driver's available index of `queue` (acquire: the ring entries before it are visible),
 /// read through one host pointer when the field lies in a mapped region, as it does for every
 /// driver we know; else through virtio-queue. `None` when it is not in guest memory.
-fn avail_idx(mem: &GuestMem, queue: &Queue) -> Option<u16> {
-    let addr = queue.avail_ring().checked_add(2)?;
-    match crate::host_range(mem, addr, 2) {
-        Some(p) if (p as usize) % std::mem::align_of::<std::sync::atomic::AtomicU16>() == 0 => {
-            // SAFETY: the two bytes lie inside a guest region that `mem` keeps mapped, and are
-            // aligned for an AtomicU16; the driver writes them concurrently, which an atomic
-            // load tolerates (virtio-queue reads the field the same way).
-            let idx = unsafe { &*p.cast::<std::sync::atomic::AtomicU16>() };
-            Some(u16::from_le(idx.load(Ordering::Acquire)))
-        }
-        _ => queue.avail_idx(mem, Ordering::Acquire).ok().map(|w| w.0),
-    }
-}
-
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only touch
     // that local set.
@@ -323,9 +310,8 @@ struct Active {
     throttled_since: Option<Instant>,
     /// When the first of them may be admitted.
     retry_at: Option<Instant>,
-    /// Chains were put in the used ring since the driver was last considered for a
-    /// notification.
-    unsignalled: bool,
+    /// The used index when the driver was last considered for a notification.
+    signalled: u16,
 }
 
 /// Where `run` is in a stretch of turns without progress.
@@ -625,6 +611,7 @@ impl Worker {
             let _ = ctx.queue.disable_notification(&*mem);
         }
         debug!(queue = index, size, "queue started");
+        let signalled = ctx.queue.next_used();
         self.queues.push(Active {
             ctx,
             chan,
@@ -636,7 +623,7 @@ impl Worker {
             throttled: VecDeque::new(),
             throttled_since: None,
             retry_at: None,
-            unsignalled: false,
+            signalled,
         });
         // Requests may have been queued before the kick was registered.
         let _ = self.wake.write(1);
@@ -766,19 +753,13 @@ impl Worker {
 
     fn notify(&mut self, i: usize, mem: &Arc<GuestMem>) {
         let q = &mut self.queues[i];
-        if q.broken || !q.unsignalled {
+        if q.broken {
             return;
         }
-        q.unsignalled = false;
-        match q.ctx.queue.needs_notification(&**mem) {
-            Ok(true) => {
-                if let Some(call) = &q.ctx.call {
-                    let _ = call.write(1);
-                }
-            }
-            Ok(false) => {}
-            Err(e) => {
-                warn!(queue = q.ctx.index, "used ring inaccessible: {e}");
+        let since = std::mem::replace(&mut q.signalled, q.ctx.queue.next_used());
+        if ring::needs_notification(mem, &q.ctx.queue, since) {
+            if let Some(call) = &q.ctx.call {
+                let _ = call.write(1);
             }
         }
     }
@@ -794,27 +775,27 @@ impl Worker {
         // An available index more than a ring ahead of ours is the driver's bug or an attack:
         // virtio-queue would refuse it (and log it) on every look, forever. Stop the queue
         // once, with one message, instead.
-        {
+        let mut avail = {
             let q = &mut self.queues[i];
-            if let Some(avail) = avail_idx(mem, &q.ctx.queue) {
-                let ahead = avail.wrapping_sub(q.ctx.queue.next_avail());
-                if ahead == 0 && q.ctx.resubmit.is_empty() {
-                    // Nothing new: the common case of a polling worker, answered with one
-                    // load instead of virtio-queue's walk of guest memory.
-                    return false;
-                }
-                if ahead > q.ctx.queue.size() {
-                    error!(
-                        queue = q.ctx.index,
-                        avail,
-                        next = q.ctx.queue.next_avail(),
-                        "available index more than a ring ahead; queue stopped"
-                    );
-                    q.broken = true;
-                    return false;
-                }
+            // An unreadable ring counts as empty (resubmitted chains are still taken).
+            let avail = ring::avail_idx(mem, &q.ctx.queue).unwrap_or(q.ctx.queue.next_avail());
+            let ahead = avail.wrapping_sub(q.ctx.queue.next_avail());
+            if ahead == 0 && q.ctx.resubmit.is_empty() {
+                // Nothing new: the common case of a polling worker, answered with one load.
+                return false;
             }
-        }
+            if ahead > q.ctx.queue.size() {
+                error!(
+                    queue = q.ctx.index,
+                    avail,
+                    next = q.ctx.queue.next_avail(),
+                    "available index more than a ring ahead; queue stopped"
+                );
+                q.broken = true;
+                return false;
+            }
+            avail
+        };
         loop {
             if shared.poison.is_poisoned() {
                 break;
@@ -826,9 +807,27 @@ impl Worker {
             let head = if let Some(h) = q.ctx.resubmit.pop_front() {
                 h
             } else {
-                match q.ctx.queue.pop_descriptor_chain(&**mem) {
-                    Some(c) => {
-                        let h = c.head_index();
+                if q.ctx.queue.next_avail() == avail {
+                    // The batch seen is taken: look once more for chains added meanwhile.
+                    match ring::avail_idx(mem, &q.ctx.queue) {
+                        Some(a) if a != avail => {
+                            if a.wrapping_sub(q.ctx.queue.next_avail()) > q.ctx.queue.size() {
+                                error!(
+                                    queue = q.ctx.index,
+                                    avail = a,
+                                    next = q.ctx.queue.next_avail(),
+                                    "available index more than a ring ahead; queue stopped"
+                                );
+                                q.broken = true;
+                                break;
+                            }
+                            avail = a;
+                        }
+                        _ => break,
+                    }
+                }
+                match ring::pop_head(mem, &mut q.ctx.queue) {
+                    Some(h) => {
                         // The counter resumes from the inflight region, which the frontend
                         // writes: it may be anything, up to u64::MAX.
                         q.ctx.counter = q.ctx.counter.wrapping_add(1);
@@ -1138,11 +1137,10 @@ impl Worker {
         if let Some(inf) = &q.ctx.inflight {
             inf.pre_put(head);
         }
-        q.unsignalled = true;
-        if let Err(e) = q.ctx.queue.add_used(&**mem, head, used_len) {
+        if let Err(e) = ring::add_used(mem, &mut q.ctx.queue, head, used_len) {
             error!(
                 queue = q.ctx.index,
-                "cannot add to used ring: {e}; queue stopped"
+                "cannot add to used ring: {}; queue stopped", e.0
             );
             q.broken = true;
         }
