@@ -44,7 +44,7 @@ pub(crate) fn avail_idx(mem: &GuestMem, queue: &Queue) -> Option<u16> {
 /// past `queue.next_avail()` (with [`avail_idx`]). `None` when the entry is unreadable.
 pub(crate) fn pop_head(mem: &GuestMem, queue: &mut Queue) -> Option<u16> {
     let next = queue.next_avail();
-    let slot = u64::from(next % queue.size());
+    let slot = u64::from(next.checked_rem(queue.size())?);
     let addr = queue
         .avail_ring()
         .checked_add(RING_HEADER + slot * AVAIL_ELEM)?;
