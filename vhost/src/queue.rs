@@ -198,7 +198,12 @@ impl WorkerHandle {
                 if let Some(cpu) = cpu {
                     pin_to_cpu(cpu);
                 }
-                worker.run();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()));
+                if r.is_err() {
+                    // The worker's queues take no more requests; the backend sees the thread
+                    // gone (stop() returns) and the rest of the process carries on.
+                    error!(worker = id, "queue worker panicked; its queues are stopped");
+                }
             })
             .map_err(|e| Error::Sys("spawn worker", e))?;
         Ok(WorkerHandle {
@@ -218,11 +223,22 @@ impl WorkerHandle {
         let _ = self.wake.write(1);
     }
 
-    /// Stops queue `index` and waits for it to drain.
+    /// Stops queue `index` and waits for it to drain; `None` at once if the worker's thread
+    /// has ended (it exited or panicked), instead of waiting for a reply that cannot come.
     pub fn stop(&self, index: u16) -> Option<Box<VringCtx>> {
         let (tx, rx) = mpsc::channel();
         self.send(Cmd::Stop { index, reply: tx });
-        rx.recv().ok().flatten()
+        loop {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(ctx) => return ctx,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                        return None;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -238,9 +254,6 @@ impl Drop for WorkerHandle {
     }
 }
 
-/// The driver's available index of `queue` (acquire: the ring entries before it are visible),
-/// read through one host pointer when the field lies in a mapped region, as it does for every
-/// driver we know; else through virtio-queue. `None` when it is not in guest memory.
 fn pin_to_cpu(cpu: usize) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only touch
     // that local set.
@@ -1301,6 +1314,23 @@ mod tests {
             let st = m.read_obj::<u8>(GuestAddress(0x80_0000 + r)).unwrap();
             assert_eq!(st, VIRTIO_BLK_S_OK as u8);
         }
+    }
+
+    /// A worker whose thread has ended (it exited, or panicked) does not hang the backend's
+    /// stop of one of its queues.
+    #[test]
+    fn stopping_a_queue_of_an_ended_worker_returns() {
+        let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let mem = MemTable::new(gm);
+        let shared = worker(&mem, false).shared;
+        let h = WorkerHandle::spawn(0, shared, mem, None, None).unwrap();
+        h.send(Cmd::Exit);
+        let t0 = Instant::now();
+        while !h.thread.as_ref().unwrap().is_finished() {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(h.stop(0).is_none());
     }
 
     #[test]
