@@ -11,7 +11,7 @@ use std::rc::Rc;
 use std::sync::mpsc;
 
 use katablk_vhost::{WorkerJoin, WorkerRuntime, WorkerStep};
-use tracing::warn;
+use tracing::{error, warn};
 
 use crate::thread::{exit_current, send_to_current, Poller, Thread};
 
@@ -69,8 +69,13 @@ impl WorkerRuntime for SpdkRuntime {
                     if done {
                         return false;
                     }
-                    if step() {
-                        return true;
+                    // A panic must not unwind into SPDK's C poller loop (that aborts the
+                    // process, every volume with it): a worker that panicked ends like one
+                    // that exited, and its backend sees it gone.
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut step)) {
+                        Ok(true) => return true,
+                        Ok(false) => {}
+                        Err(_) => error!("queue worker panicked; its queues are stopped"),
                     }
                     // The worker exited: unregister and end the thread outside this callback.
                     done = true;

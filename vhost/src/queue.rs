@@ -130,6 +130,8 @@ pub(crate) struct WorkerHandle {
     wake: EventFd,
     thread: Option<std::thread::JoinHandle<()>>,
     external: Option<Box<dyn crate::config::WorkerJoin>>,
+    /// Gone once the worker is dropped (it exited, or unwound from a panic).
+    alive: std::sync::Weak<()>,
 }
 
 impl WorkerHandle {
@@ -164,7 +166,10 @@ impl WorkerHandle {
                 EpollEvent::new(EventSet::IN, TIMER_TOKEN),
             )
             .map_err(|e| Error::Sys("epoll_ctl", e))?;
+        let token = Arc::new(());
+        let alive = Arc::downgrade(&token);
         let mut worker = Worker {
+            _alive: token,
             epoll,
             wake: wake.try_clone().map_err(|e| Error::Sys("eventfd", e))?,
             cmds: cmds.clone(),
@@ -190,6 +195,7 @@ impl WorkerHandle {
                 wake,
                 thread: None,
                 external: Some(join),
+                alive,
             });
         }
         let thread = std::thread::Builder::new()
@@ -212,6 +218,7 @@ impl WorkerHandle {
             wake,
             thread: Some(thread),
             external: None,
+            alive,
         })
     }
 
@@ -223,8 +230,8 @@ impl WorkerHandle {
         let _ = self.wake.write(1);
     }
 
-    /// Stops queue `index` and waits for it to drain; `None` at once if the worker's thread
-    /// has ended (it exited or panicked), instead of waiting for a reply that cannot come.
+    /// Stops queue `index` and waits for it to drain; `None` once the worker has ended (it
+    /// exited or panicked), instead of waiting for a reply that cannot come.
     pub fn stop(&self, index: u16) -> Option<Box<VringCtx>> {
         let (tx, rx) = mpsc::channel();
         self.send(Cmd::Stop { index, reply: tx });
@@ -233,7 +240,7 @@ impl WorkerHandle {
                 Ok(ctx) => return ctx,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return None,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                    if self.alive.strong_count() == 0 {
                         return None;
                     }
                 }
@@ -342,6 +349,8 @@ struct Idle {
 }
 
 struct Worker {
+    /// Held while the worker exists (see [`WorkerHandle::stop`]).
+    _alive: Arc<()>,
     epoll: Epoll,
     wake: EventFd,
     cmds: Arc<Mutex<VecDeque<Cmd>>>,
@@ -1224,6 +1233,7 @@ mod tests {
             qos: Limiter::new(),
         });
         Worker {
+            _alive: Arc::new(()),
             epoll: Epoll::new().unwrap(),
             wake: EventFd::new(EFD_NONBLOCK).unwrap(),
             cmds: Default::default(),
@@ -1326,7 +1336,7 @@ mod tests {
         let h = WorkerHandle::spawn(0, shared, mem, None, None).unwrap();
         h.send(Cmd::Exit);
         let t0 = Instant::now();
-        while !h.thread.as_ref().unwrap().is_finished() {
+        while h.alive.strong_count() > 0 {
             assert!(t0.elapsed() < Duration::from_secs(10));
             std::thread::sleep(Duration::from_millis(5));
         }
