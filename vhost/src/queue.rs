@@ -337,6 +337,23 @@ struct Active {
     signalled: u16,
 }
 
+impl Active {
+    /// An available index more than a ring ahead of ours is the driver's bug or an attack:
+    /// stops the queue with one message and returns true.
+    fn stop_if_wild(&mut self, avail: u16) -> bool {
+        let next = self.ctx.queue.next_avail();
+        if avail.wrapping_sub(next) <= self.ctx.queue.size() {
+            return false;
+        }
+        error!(
+            queue = self.ctx.index,
+            avail, next, "available index more than a ring ahead; queue stopped"
+        );
+        self.broken = true;
+        true
+    }
+}
+
 /// Where `run` is in a stretch of turns without progress.
 struct Idle {
     /// Start of the stretch (the clock is read only then, not on every busy turn).
@@ -798,9 +815,8 @@ impl Worker {
         // The device's properties once per batch, not per request, and not at all when the
         // ring is empty (a polling worker looks many times between requests).
         let mut info: Option<katablk_bdev::DeviceInfo> = None;
-        // An available index more than a ring ahead of ours is the driver's bug or an attack:
-        // virtio-queue would refuse it (and log it) on every look, forever. Stop the queue
-        // once, with one message, instead.
+        // The available index seen; a wild one stops the queue once (`stop_if_wild`), here
+        // and when it is read again below.
         let mut avail = {
             let q = &mut self.queues[i];
             // An unreadable ring counts as empty (resubmitted chains are still taken).
@@ -810,14 +826,7 @@ impl Worker {
                 // Nothing new: the common case of a polling worker, answered with one load.
                 return false;
             }
-            if ahead > q.ctx.queue.size() {
-                error!(
-                    queue = q.ctx.index,
-                    avail,
-                    next = q.ctx.queue.next_avail(),
-                    "available index more than a ring ahead; queue stopped"
-                );
-                q.broken = true;
+            if q.stop_if_wild(avail) {
                 return false;
             }
             avail
@@ -837,14 +846,7 @@ impl Worker {
                     // The batch seen is taken: look once more for chains added meanwhile.
                     match ring::avail_idx(mem, &q.ctx.queue) {
                         Some(a) if a != avail => {
-                            if a.wrapping_sub(q.ctx.queue.next_avail()) > q.ctx.queue.size() {
-                                error!(
-                                    queue = q.ctx.index,
-                                    avail = a,
-                                    next = q.ctx.queue.next_avail(),
-                                    "available index more than a ring ahead; queue stopped"
-                                );
-                                q.broken = true;
+                            if q.stop_if_wild(a) {
                                 break;
                             }
                             avail = a;
@@ -1249,6 +1251,19 @@ mod tests {
         }
     }
 
+    /// Queue 0 over `queue`, with a fresh kick eventfd and `call`.
+    fn vring(queue: Queue, call: Option<EventFd>) -> Box<VringCtx> {
+        Box::new(VringCtx {
+            index: 0,
+            queue,
+            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
+            call,
+            inflight: None,
+            resubmit: VecDeque::new(),
+            counter: 0,
+        })
+    }
+
     fn header(m: &GuestMem, at: u64, ty: u32, sector: u64) {
         let mut h = [0u8; 16];
         h[..4].copy_from_slice(&ty.to_le_bytes());
@@ -1303,15 +1318,7 @@ mod tests {
         let call = EventFd::new(EFD_NONBLOCK).unwrap();
         let mut w = worker(&mem, false);
         w.external = true;
-        w.start(Box::new(VringCtx {
-            index: 0,
-            queue,
-            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
-            call: Some(call.try_clone().unwrap()),
-            inflight: None,
-            resubmit: VecDeque::new(),
-            counter: 0,
-        }));
+        w.start(vring(queue, Some(call.try_clone().unwrap())));
         let batch = EARLY_COMPLETION_BATCH as u16;
         for want in [batch, 2 * batch, n as u16] {
             assert!(w.service(0, &snap));
@@ -1352,15 +1359,7 @@ mod tests {
         mq.avail().idx().store(u16::to_le(40));
         let queue: Queue = mq.create_queue().unwrap();
         let mut w = worker(&mem, false);
-        w.start(Box::new(VringCtx {
-            index: 0,
-            queue,
-            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
-            call: Some(EventFd::new(EFD_NONBLOCK).unwrap()),
-            inflight: None,
-            resubmit: VecDeque::new(),
-            counter: 0,
-        }));
+        w.start(vring(queue, Some(EventFd::new(EFD_NONBLOCK).unwrap())));
         assert!(!w.service(0, &snap));
         assert!(w.queues[0].broken);
         // Not looked at again.
@@ -1405,15 +1404,7 @@ mod tests {
         mq.add_desc_chains(&descs, 0).unwrap();
         let queue: Queue = mq.create_queue().unwrap();
         let mut w = worker(&mem, false);
-        w.start(Box::new(VringCtx {
-            index: 0,
-            queue,
-            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
-            call: Some(EventFd::new(EFD_NONBLOCK).unwrap()),
-            inflight: None,
-            resubmit: VecDeque::new(),
-            counter: 0,
-        }));
+        w.start(vring(queue, Some(EventFd::new(EFD_NONBLOCK).unwrap())));
         assert!(w.service(0, &snap));
         let status = |a: u64| m.read_obj::<u8>(GuestAddress(a)).unwrap();
         assert_eq!(status(0x30_0000), VIRTIO_BLK_S_OK as u8);
@@ -1460,15 +1451,7 @@ mod tests {
         ];
         mq.add_desc_chains(&descs, 0).unwrap();
         let mut w = worker(&mem, true);
-        w.start(Box::new(VringCtx {
-            index: 0,
-            queue: mq.create_queue().unwrap(),
-            kick: EventFd::new(EFD_NONBLOCK).unwrap(),
-            call: None,
-            inflight: None,
-            resubmit: VecDeque::new(),
-            counter: 0,
-        }));
+        w.start(vring(mq.create_queue().unwrap(), None));
         w.service(0, &snap);
         assert_eq!(
             m.read_obj::<u8>(GuestAddress(0x30_0000)).unwrap(),
