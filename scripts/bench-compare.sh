@@ -54,6 +54,7 @@ REFILL=${REFILL:-0}                              # 1: rewrite the images even if
 DIRECT=${DIRECT:-0}                              # 1: O_DIRECT in the file case (both servers)
 NUM_QUEUES=${NUM_QUEUES:-2}                      # queues every server exports
 POLL=${POLL:-event}                              # client completion wait: event | busy
+WAKEUP_SECS=${WAKEUP_SECS:-3}                    # katablk-bench-wakeup floor per wait mode (0: none)
 KATABLK_EXTRA=${KATABLK_EXTRA:-}                 # extra katablk-vhost arguments, e.g. "--poll-us 50"
 QSD_EXTRA=${QSD_EXTRA:-}                         # extra qemu-storage-daemon arguments
 TARGET_EXTRA=${TARGET_EXTRA:-}                   # extra katablk-target arguments, e.g. "--poll-us 0"
@@ -496,10 +497,26 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "chvub: ${CH_VUB:-unset}"
     echo "spdk: ${SPDK_VHOST:-unset}"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS CH_EXTRA EXTRA_BASELINES; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL WAKEUP_SECS KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS CH_EXTRA EXTRA_BASELINES; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
+
+# The QD1 floor of this machine: a polling "server" on the first server CPU signalling an
+# eventfd to a "driver" on the first client CPU (katablk-bench-wakeup), as the bench client
+# waits in event mode, and with a busy-polling driver. No server's QD1 latency can be below it.
+if [ "$WAKEUP_SECS" != 0 ] && [ -x "$BENCH_BIN_DIR/katablk-bench-wakeup" ]; then
+    wcpu_s=${SERVER_CPUS:-0} wcpu_c=${CLIENT_CPUS:-1}
+    wcpu_s=${wcpu_s%%[,-]*} wcpu_c=${wcpu_c%%[,-]*}
+    for w in poll spin; do
+        "$BENCH_BIN_DIR/katablk-bench-wakeup" --server-cpu "$wcpu_s" --client-cpu "$wcpu_c" \
+            --wait "$w" --secs "$WAKEUP_SECS" --json "$OUT/wakeup-$w.json" >"$OUT/logs/wakeup-$w.txt" 2>&1 ||
+            die "katablk-bench-wakeup failed: $(tail -3 "$OUT/logs/wakeup-$w.txt")"
+        p50=$(awk '/round trip/ {print $4; exit}' "$OUT/logs/wakeup-$w.txt")
+        log "QD1 floor, $w wait (CPU $wcpu_s -> $wcpu_c): round trip p50 $p50 us"
+        NOTES+=("QD1 floor (katablk-bench-wakeup --wait $w, CPU $wcpu_s -> $wcpu_c): round trip p50 $p50 us")
+    done
+fi
 
 ncases=$(wc -w <<<"$CASES")
 nwl=$(wc -w <<<"$WORKLOADS")
