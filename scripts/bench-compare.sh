@@ -512,7 +512,7 @@ if [ "$WAKEUP_SECS" != 0 ] && [ -x "$BENCH_BIN_DIR/katablk-bench-wakeup" ]; then
         "$BENCH_BIN_DIR/katablk-bench-wakeup" --server-cpu "$wcpu_s" --client-cpu "$wcpu_c" \
             --wait "$w" --secs "$WAKEUP_SECS" --json "$OUT/wakeup-$w.json" >"$OUT/logs/wakeup-$w.txt" 2>&1 ||
             die "katablk-bench-wakeup failed: $(tail -3 "$OUT/logs/wakeup-$w.txt")"
-        p50=$(awk '/round trip/ {print $4; exit}' "$OUT/logs/wakeup-$w.txt")
+        p50=$(awk '/round trip +p50/ {print $4; exit}' "$OUT/logs/wakeup-$w.txt")
         log "QD1 floor, $w wait (CPU $wcpu_s -> $wcpu_c): round trip p50 $p50 us"
         NOTES+=("QD1 floor (katablk-bench-wakeup --wait $w, CPU $wcpu_s -> $wcpu_c): round trip p50 $p50 us")
     done
