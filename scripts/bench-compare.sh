@@ -182,6 +182,13 @@ for s in $SERVERS; do
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
+# SPDK's DPDK environment (spdk, kspdk) takes its -s memory from 2 MiB hugepages on a hugetlbfs
+# mount; a fresh machine has neither ("EAL: Cannot get hugepage information").
+case " ${active[*]} " in *" spdk "* | *" kspdk "*)
+    "$ROOT/scripts/setup-hugepages.sh" $(((SPDK_MEM_MIB + 512) / 2)) >&2 ||
+        die "hugepages for spdk/kspdk: setup-hugepages.sh failed"
+    ;;
+esac
 if [ "$DIRECT" = 1 ] && [[ " ${active[*]} " == *" target "* ]]; then
     NOTES+=("DIRECT=1: katablk-target's aio bdevs have no O_DIRECT option over RPC; its file cases use the page cache")
 fi

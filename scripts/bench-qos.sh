@@ -65,9 +65,9 @@ if [ -n "$SPDK_VHOST" ]; then
 else
     log "SPDK_VHOST not set: katablk-target only"
 fi
-hp=$(cat /proc/sys/vm/nr_hugepages)
-if [ -n "$SPDK_VHOST" ] && [ "$hp" -lt $(((SPDK_MEM_MIB + 512) / 2)) ]; then
-    echo $(((SPDK_MEM_MIB + 512) / 2)) >/proc/sys/vm/nr_hugepages
+# SPDK's DPDK environment takes its -s memory from 2 MiB hugepages on a hugetlbfs mount.
+if [ -n "$SPDK_VHOST" ]; then
+    "$ROOT/scripts/setup-hugepages.sh" $(((SPDK_MEM_MIB + 512) / 2)) >&2
 fi
 
 mkdir -p "$OUT/raw" "$OUT/logs"
