@@ -17,6 +17,8 @@ KATABLK_VHOST=${KATABLK_VHOST:-$ROOT/target/release/katablk-vhost} # server unde
 QSD=${QSD:-qemu-storage-daemon}                  # the reference server
 KATABLK_TARGET=${KATABLK_TARGET:-$ROOT/target/release/katablk-target} # the embedded target
 KATABLK_SPDK=${KATABLK_SPDK:-$ROOT/target/spdk/release/katablk-spdk} # SPDK bdevs + katablk vhost (server kspdk)
+KATABLK_TARGET_B=${KATABLK_TARGET_B:-}           # another build of katablk-target (server target-b: A/B of a change)
+KATABLK_SPDK_B=${KATABLK_SPDK_B:-}               # another build of katablk-spdk (server kspdk-b)
 SPDK_VHOST=${SPDK_VHOST:-}                       # SPDK's vhost app (server spdk), e.g. <spdk>/build/bin/vhost
 CH_VUB=${CH_VUB:-}                               # cloud-hypervisor's vhost_user_block (server chvub)
 CH_EXTRA=${CH_EXTRA:-poll_queue=true}            # extra --block-backend options of chvub
@@ -154,6 +156,16 @@ for s in $SERVERS; do
             NOTES+=("kspdk side skipped: no katablk-spdk binary at $KATABLK_SPDK")
         fi
         ;;
+    target-b | kspdk-b)
+        b=KATABLK_TARGET_B
+        [ "$s" = kspdk-b ] && b=KATABLK_SPDK_B
+        if [ -n "${!b}" ] && [ -x "${!b}" ] && [ -x "$TBENCH" ]; then
+            active+=("$s")
+        else
+            log "SKIPPING $s: set $b to the other build's binary"
+            NOTES+=("$s side skipped: $b not set")
+        fi
+        ;;
     spdk)
         if [ -n "$SPDK_VHOST" ] && [ -x "$SPDK_VHOST" ] && [ -x "$TBENCH" ]; then
             active+=(spdk)
@@ -178,13 +190,13 @@ for s in $SERVERS; do
             NOTES+=("qsd side skipped: $QSD not found")
         fi
         ;;
-    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, kspdk, spdk, chvub, qsd2, ...)" ;;
+    *) die "unknown server '$s' in SERVERS (use katablk, qsd, target, kspdk, spdk, chvub, target-b, kspdk-b, qsd2, ...)" ;;
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
 # SPDK's DPDK environment (spdk, kspdk) takes its -s memory from 2 MiB hugepages on a hugetlbfs
 # mount; a fresh machine has neither ("EAL: Cannot get hugepage information").
-case " ${active[*]} " in *" spdk "* | *" kspdk "*)
+case " ${active[*]} " in *" spdk "* | *" kspdk "* | *" kspdk-b "*)
     "$ROOT/scripts/setup-hugepages.sh" $(((SPDK_MEM_MIB + 512) / 2)) >&2 ||
         die "hugepages for spdk/kspdk: setup-hugepages.sh failed"
     ;;
@@ -269,7 +281,7 @@ start_server() {
     local server=$1 case=$2 sock=$3 logf=$4
     rm -f "$sock"
     local -a cmd
-    case $server in target | kspdk | spdk)
+    case $server in target | kspdk | spdk | target-b | kspdk-b)
         start_target "$case" "$sock" "$logf" "$server"
         return
         ;;
@@ -345,12 +357,18 @@ start_target() {
     rm -f "$TARGET_RPC"
     local -a cmd
     case $server in
-    target)
-        cmd=("$KATABLK_TARGET" -S "$(dirname "$sock")" -r "$TARGET_RPC" --max-queues "$NUM_QUEUES")
+    target | target-b)
+        local bin=$KATABLK_TARGET
+        [ "$server" = target-b ] && bin=$KATABLK_TARGET_B
+        cmd=("$bin" -S "$(dirname "$sock")" -r "$TARGET_RPC" --max-queues "$NUM_QUEUES")
         # shellcheck disable=SC2206
         cmd+=($TARGET_EXTRA)
         ;;
-    kspdk) cmd=("$KATABLK_SPDK" -S "$(dirname "$sock")" -r "$TARGET_RPC" -m "$SPDK_CPUMASK" -s "$SPDK_MEM_MIB" --max-queues "$NUM_QUEUES") ;;
+    kspdk | kspdk-b)
+        local bin=$KATABLK_SPDK
+        [ "$server" = kspdk-b ] && bin=$KATABLK_SPDK_B
+        cmd=("$bin" -S "$(dirname "$sock")" -r "$TARGET_RPC" -m "$SPDK_CPUMASK" -s "$SPDK_MEM_MIB" --max-queues "$NUM_QUEUES")
+        ;;
     spdk) cmd=("$SPDK_VHOST" -S "$(dirname "$sock")" -r "$TARGET_RPC" -m "$SPDK_CPUMASK" -s "$SPDK_MEM_MIB") ;;
     esac
     if [ -n "$SERVER_CPUS" ]; then cmd=(taskset -c "$SERVER_CPUS" "${cmd[@]}"); fi
@@ -424,8 +442,8 @@ start_target() {
 # server_has SERVER CASE: whether SERVER has a backend for CASE (only the target has lvols).
 server_has() {
     case $2 in
-    thin-first-write) [ "$1" = target ] ;;
-    lvol-file) case $1 in kspdk | spdk) return 1 ;; *) return 0 ;; esac ;; # SPDK cannot open katablk's lvstore image
+    thin-first-write) case $1 in target | target-b) return 0 ;; *) return 1 ;; esac ;;
+    lvol-file) case $1 in kspdk | kspdk-b | spdk) return 1 ;; *) return 0 ;; esac ;; # SPDK cannot open katablk's lvstore image
     null) [ "$1" != chvub ] ;; # no null backend in vhost_user_block
     *) return 0 ;;
     esac
@@ -439,7 +457,7 @@ server_has() {
 prefill_run() {
     local server=$1 case=$2 wl=$3 tag=$4
     case $case in malloc | lvol-ram) ;; *) return 0 ;; esac
-    case $server in katablk | target | kspdk | spdk) ;; *) return 0 ;; esac
+    case $server in katablk | target | kspdk | spdk | target-b | kspdk-b) ;; *) return 0 ;; esac
     [ "$PREFILL_SECS" != 0 ] || return 0
     run_bench --socket "$sock" --rw write --bs 1M --iodepth 8 --runtime "$PREFILL_SECS" --ramp 0 \
         --poll "$POLL" --no-progress --json "$OUT/logs/$tag.prefill.json" \

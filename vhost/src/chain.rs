@@ -5,6 +5,8 @@
 //! point to a whole table inside guest memory and contain no nested indirect descriptors, and
 //! every buffer must lie in guest memory. Readable buffers come before writable ones.
 
+use std::ptr::NonNull;
+
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
@@ -62,24 +64,82 @@ pub enum ChainError {
     BadOrder,
 }
 
-fn read_desc(mem: &GuestMem, addr: u64) -> Result<(u64, u32, u16, u16), ChainError> {
-    let mut raw = [0u8; DESC_SIZE as usize];
-    match crate::host_range(mem, addr, DESC_SIZE as usize) {
-        // SAFETY: the 16 bytes lie inside a mapped guest region that `mem` keeps mapped; a
-        // volatile read of a byte array has no alignment requirement and tolerates the guest
-        // changing the bytes meanwhile.
-        Some(p) => raw = unsafe { std::ptr::read_volatile(p.cast::<[u8; DESC_SIZE as usize]>()) },
-        None => mem
-            .read_slice(&mut raw, GuestAddress(addr))
-            .map_err(|_| ChainError::DescUnreadable(addr))?,
+/// A descriptor table: of a queue (`size` entries) or an indirect one, with its host address
+/// when it lies inside one mapped region (then each descriptor is one volatile load, not a
+/// region lookup).
+#[derive(Clone, Copy)]
+pub(crate) struct DescTable<'m> {
+    mem: &'m GuestMem,
+    addr: GuestAddress,
+    size: u16,
+    host: Option<NonNull<u8>>,
+}
+
+impl<'m> DescTable<'m> {
+    /// The table of `size` descriptors at `addr`, translated here.
+    pub fn new(mem: &'m GuestMem, addr: GuestAddress, size: u16) -> Self {
+        let host = crate::host_range(mem, addr.0, usize::from(size) * DESC_SIZE as usize)
+            .and_then(NonNull::new);
+        DescTable {
+            mem,
+            addr,
+            size,
+            host,
+        }
     }
-    let a = u64::from_le_bytes([
-        raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7],
-    ]);
-    let l = u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]);
-    let f = u16::from_le_bytes([raw[12], raw[13]]);
-    let n = u16::from_le_bytes([raw[14], raw[15]]);
-    Ok((a, l, f, n))
+
+    /// The table of `size` descriptors at `addr`, already translated to `host`.
+    ///
+    /// # Safety
+    /// `host` must be the host address of the table's `size * 16` bytes in a region of `mem`.
+    pub unsafe fn translated(
+        mem: &'m GuestMem,
+        addr: GuestAddress,
+        size: u16,
+        host: NonNull<u8>,
+    ) -> Self {
+        DescTable {
+            mem,
+            addr,
+            size,
+            host: Some(host),
+        }
+    }
+
+    /// Descriptor `idx` (below `size`): address, length, flags, next.
+    fn read(&self, idx: u16) -> Result<(u64, u32, u16, u16), ChainError> {
+        if idx >= self.size {
+            return Err(ChainError::IndexOutOfRange(idx));
+        }
+        let off = u64::from(idx) * DESC_SIZE;
+        let mut raw = [0u8; DESC_SIZE as usize];
+        match self.host {
+            Some(p) => {
+                // SAFETY: `idx` is below the table's size, so the 16 bytes lie inside the
+                // translated table, which `mem` keeps mapped for 'm; a volatile read of a
+                // byte array has no alignment requirement and tolerates the guest changing
+                // the bytes meanwhile.
+                raw = unsafe {
+                    std::ptr::read_volatile(
+                        p.as_ptr()
+                            .add(off as usize)
+                            .cast::<[u8; DESC_SIZE as usize]>(),
+                    )
+                }
+            }
+            None => self
+                .mem
+                .read_slice(&mut raw, GuestAddress(self.addr.0 + off))
+                .map_err(|_| ChainError::DescUnreadable(self.addr.0 + off))?,
+        }
+        let a = u64::from_le_bytes([
+            raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7],
+        ]);
+        let l = u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]);
+        let f = u16::from_le_bytes([raw[12], raw[13]]);
+        let n = u16::from_le_bytes([raw[14], raw[15]]);
+        Ok((a, l, f, n))
+    }
 }
 
 fn push_seg(
@@ -128,68 +188,72 @@ pub fn walk(
     out: &mut Vec<Seg>,
     max: usize,
 ) -> Result<(), ChainError> {
-    out.clear();
+    walk_table(DescTable::new(mem, desc_table, queue_size), head, out, max)
+}
+
+/// [`walk`] in a table translated beforehand.
+pub(crate) fn walk_table(
+    table: DescTable<'_>,
+    head: u16,
+    out: &mut Vec<Seg>,
+    max: usize,
+) -> Result<(), ChainError> {
+    walk_in(table, head, false, out, max)
+}
+
+/// Walks from `head` of `table`; in an indirect table (`indirect`), an indirect descriptor is
+/// an error, else it must be the only descriptor of its chain.
+fn walk_in(
+    table: DescTable<'_>,
+    head: u16,
+    indirect: bool,
+    out: &mut Vec<Seg>,
+    max: usize,
+) -> Result<(), ChainError> {
+    let mem = table.mem;
+    if !indirect {
+        out.clear();
+    }
     let mut bad = None;
     let mut idx = head;
     let mut seen = 0u32;
     loop {
-        if idx >= queue_size {
+        if idx >= table.size {
             return Err(ChainError::IndexOutOfRange(idx));
         }
         seen += 1;
-        if seen > u32::from(queue_size) {
+        if seen > u32::from(table.size) {
             return Err(ChainError::TooLong);
         }
-        let (addr, len, flags, next) = read_desc(mem, desc_table.0 + u64::from(idx) * DESC_SIZE)?;
+        let (addr, len, flags, next) = table.read(idx)?;
         if flags & VIRTQ_DESC_F_INDIRECT != 0 {
-            // An indirect descriptor must be alone in the chain (VIRTIO 1.2, 2.7.5.3.1).
-            if flags & VIRTQ_DESC_F_NEXT != 0
+            // An indirect descriptor must be alone in the chain (VIRTIO 1.2, 2.7.5.3.1), and
+            // an indirect table holds none.
+            if indirect
+                || flags & VIRTQ_DESC_F_NEXT != 0
                 || !out.is_empty()
                 || len == 0
                 || u64::from(len) % DESC_SIZE != 0
                 || !mem.check_range(GuestAddress(addr), len as usize)
             {
-                return Err(ChainError::BadIndirect { addr, len });
+                return Err(ChainError::BadIndirect {
+                    addr: if indirect { table.addr.0 } else { addr },
+                    len: if indirect {
+                        u32::from(table.size) * DESC_SIZE as u32
+                    } else {
+                        len
+                    },
+                });
             }
-            return walk_indirect(mem, addr, len, out, max);
-        }
-        push_seg(mem, out, max, addr, len, flags, &mut bad)?;
-        if flags & VIRTQ_DESC_F_NEXT == 0 {
-            return bad.map_or(Ok(()), Err);
-        }
-        idx = next;
-    }
-}
-
-fn walk_indirect(
-    mem: &GuestMem,
-    table: u64,
-    table_len: u32,
-    out: &mut Vec<Seg>,
-    max: usize,
-) -> Result<(), ChainError> {
-    let count = u64::from(table_len) / DESC_SIZE;
-    let count = u16::try_from(count).map_err(|_| ChainError::BadIndirect {
-        addr: table,
-        len: table_len,
-    })?;
-    let mut bad = None;
-    let mut idx = 0u16;
-    let mut seen = 0u32;
-    loop {
-        if idx >= count {
-            return Err(ChainError::IndexOutOfRange(idx));
-        }
-        seen += 1;
-        if seen > u32::from(count) {
-            return Err(ChainError::TooLong);
-        }
-        let (addr, len, flags, next) = read_desc(mem, table + u64::from(idx) * DESC_SIZE)?;
-        if flags & VIRTQ_DESC_F_INDIRECT != 0 {
-            return Err(ChainError::BadIndirect {
-                addr: table,
-                len: table_len,
-            });
+            let count = u16::try_from(u64::from(len) / DESC_SIZE)
+                .map_err(|_| ChainError::BadIndirect { addr, len })?;
+            return walk_in(
+                DescTable::new(mem, GuestAddress(addr), count),
+                0,
+                true,
+                out,
+                max,
+            );
         }
         push_seg(mem, out, max, addr, len, flags, &mut bad)?;
         if flags & VIRTQ_DESC_F_NEXT == 0 {

@@ -17,7 +17,7 @@ use katablk_bdev::qos::{Dir, Limiter};
 use katablk_bdev::{iovec, BlockDevice, Completion, IoChannel, IoOp, IoRequest, SubmitError};
 use tracing::{debug, error, warn};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
@@ -335,6 +335,8 @@ struct Active {
     retry_at: Option<Instant>,
     /// The used index when the driver was last considered for a notification.
     signalled: u16,
+    /// Host addresses of the rings in the current memory snapshot.
+    rings: ring::Rings,
 }
 
 impl Active {
@@ -666,6 +668,7 @@ impl Worker {
             throttled_since: None,
             retry_at: None,
             signalled,
+            rings: ring::Rings::default(),
         });
         // Requests may have been queued before the kick was registered.
         let _ = self.wake.write(1);
@@ -799,7 +802,10 @@ impl Worker {
             return;
         }
         let since = std::mem::replace(&mut q.signalled, q.ctx.queue.next_used());
-        if ring::needs_notification(mem, &q.ctx.queue, since) {
+        if q.rings
+            .view(mem, &q.ctx.queue)
+            .needs_notification(&q.ctx.queue, since)
+        {
             if let Some(call) = &q.ctx.call {
                 let _ = call.write(1);
             }
@@ -820,7 +826,11 @@ impl Worker {
         let mut avail = {
             let q = &mut self.queues[i];
             // An unreadable ring counts as empty (resubmitted chains are still taken).
-            let avail = ring::avail_idx(mem, &q.ctx.queue).unwrap_or(q.ctx.queue.next_avail());
+            let avail = q
+                .rings
+                .view(mem, &q.ctx.queue)
+                .avail_idx(&q.ctx.queue)
+                .unwrap_or(q.ctx.queue.next_avail());
             let ahead = avail.wrapping_sub(q.ctx.queue.next_avail());
             if ahead == 0 && q.ctx.resubmit.is_empty() {
                 // Nothing new: the common case of a polling worker, answered with one load.
@@ -839,12 +849,13 @@ impl Worker {
             let Some(&slot_idx) = q.free.last() else {
                 break;
             };
+            let rings = q.rings.view(mem, &q.ctx.queue);
             let head = if let Some(h) = q.ctx.resubmit.pop_front() {
                 h
             } else {
                 if q.ctx.queue.next_avail() == avail {
                     // The batch seen is taken: look once more for chains added meanwhile.
-                    match ring::avail_idx(mem, &q.ctx.queue) {
+                    match rings.avail_idx(&q.ctx.queue) {
                         Some(a) if a != avail => {
                             if q.stop_if_wild(a) {
                                 break;
@@ -854,7 +865,7 @@ impl Worker {
                         _ => break,
                     }
                 }
-                match ring::pop_head(mem, &mut q.ctx.queue) {
+                match rings.pop_head(&mut q.ctx.queue) {
                     Some(h) => {
                         // The counter resumes from the inflight region, which the frontend
                         // writes: it may be anything, up to u64::MAX.
@@ -869,8 +880,7 @@ impl Worker {
             };
             q.free.pop();
             took = true;
-            let desc_table = GuestAddress(q.ctx.queue.desc_table());
-            let size = q.ctx.queue.size();
+            let table = rings.desc_table(&q.ctx.queue);
             let slot = &mut q.slots[usize::from(slot_idx)];
             slot.head = head;
             slot.next_range = 0;
@@ -878,14 +888,7 @@ impl Worker {
             slot.status = Status::Ok;
             slot.req = None;
             slot.mem = Some(mem.clone());
-            let walked = chain::walk(
-                mem,
-                desc_table,
-                size,
-                head,
-                &mut slot.segs,
-                shared.seg_max + 2,
-            );
+            let walked = chain::walk_table(table, head, &mut slot.segs, shared.seg_max + 2);
             if let Err(e) = walked {
                 debug!(queue = q.ctx.index, head, "bad descriptor chain: {e}");
                 shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -1168,7 +1171,8 @@ impl Worker {
         if let Some(inf) = &q.ctx.inflight {
             inf.pre_put(head);
         }
-        if let Err(e) = ring::add_used(mem, &mut q.ctx.queue, head, used_len) {
+        let rings = q.rings.view(mem, &q.ctx.queue);
+        if let Err(e) = rings.add_used(&mut q.ctx.queue, head, used_len) {
             error!(
                 queue = q.ctx.index,
                 "cannot add to used ring: {}; queue stopped", e.0
@@ -1213,7 +1217,7 @@ mod tests {
     use virtio_bindings::virtio_blk::*;
     use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
-    use vm_memory::Bytes;
+    use vm_memory::{Bytes, GuestAddress};
 
     const F_NEXT: u16 = 1;
     const F_WRITE: u16 = 2;
