@@ -114,11 +114,30 @@ impl<'m> DescTable<'m> {
         let off = u64::from(idx) * DESC_SIZE;
         let mut raw = [0u8; DESC_SIZE as usize];
         match self.host {
-            Some(p) => {
+            Some(p) if (p.as_ptr() as usize) % 8 == 0 => {
+                // The usual case: two aligned loads, decoded in registers (byte loads stored
+                // to the stack and read back as words stall on store forwarding).
                 // SAFETY: `idx` is below the table's size, so the 16 bytes lie inside the
-                // translated table, which `mem` keeps mapped for 'm; a volatile read of a
-                // byte array has no alignment requirement and tolerates the guest changing
-                // the bytes meanwhile.
+                // translated table, which `mem` keeps mapped for 'm; both words are 8-aligned
+                // (the table is, and descriptors are 16 bytes); volatile loads tolerate the
+                // guest changing the bytes meanwhile.
+                let (w0, w1) = unsafe {
+                    let d = p.as_ptr().add(off as usize).cast::<u64>();
+                    (
+                        std::ptr::read_volatile(d),
+                        std::ptr::read_volatile(d.add(1)),
+                    )
+                };
+                let w1 = u64::from_le(w1);
+                return Ok((
+                    u64::from_le(w0),
+                    w1 as u32,
+                    (w1 >> 32) as u16,
+                    (w1 >> 48) as u16,
+                ));
+            }
+            Some(p) => {
+                // SAFETY: as above, with a volatile byte-array read (no alignment needed).
                 raw = unsafe {
                     std::ptr::read_volatile(
                         p.as_ptr()

@@ -52,6 +52,29 @@ pub(crate) fn host_range(mem: &GuestMem, addr: u64, len: usize) -> Option<*mut u
     r.get_host_address(MemoryRegionAddress(off)).ok()
 }
 
+/// Copies guest bytes at host address `src` into `dst` with volatile loads (the guest may
+/// change them meanwhile), eight at a time where `src` is 8-aligned: byte loads stored one by
+/// one and then read back as words stall on store forwarding.
+///
+/// # Safety
+/// The `dst.len()` bytes at `src` must be mapped memory that stays mapped during the call.
+pub(crate) unsafe fn read_volatile_bytes(src: *const u8, dst: &mut [u8]) {
+    let mut k = 0;
+    if (src as usize) % 8 == 0 {
+        for w in dst.chunks_exact_mut(8) {
+            // SAFETY: inside the caller's range, and 8-aligned (`src` is, `k` steps by 8).
+            let v = unsafe { std::ptr::read_volatile(src.add(k).cast::<u64>()) };
+            w.copy_from_slice(&v.to_ne_bytes());
+            k += 8;
+        }
+    }
+    for b in &mut dst[k..] {
+        // SAFETY: inside the caller's range.
+        *b = unsafe { std::ptr::read_volatile(src.add(k)) };
+        k += 1;
+    }
+}
+
 /// Errors of the vhost-user-blk backend.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -145,6 +168,22 @@ impl Stats {
             unmap_ops: l(&self.unmap_ops),
             io_errors: l(&self.io_errors),
             bad_requests: l(&self.bad_requests),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn volatile_byte_reads_copy_exactly_at_any_alignment() {
+        let src: Vec<u8> = (0..64u8).collect();
+        for start in 0..9 {
+            for len in 0..40 {
+                let mut dst = vec![0xffu8; len];
+                // SAFETY: `start + len` is at most 48, inside `src`.
+                unsafe { super::read_volatile_bytes(src.as_ptr().add(start), &mut dst) };
+                assert_eq!(dst, &src[start..start + len], "start {start} len {len}");
+            }
         }
     }
 }

@@ -167,13 +167,8 @@ fn read_bytes(
         match crate::host_range(mem, addr, n) {
             // The common case (a request header inside one region) without vm-memory's
             // generic slice walk.
-            Some(p) => {
-                for (k, b) in dst.iter_mut().enumerate() {
-                    // SAFETY: the `n` bytes at `p` lie inside a guest region `mem` keeps
-                    // mapped; volatile byte reads tolerate the guest changing them meanwhile.
-                    *b = unsafe { std::ptr::read_volatile(p.add(k)) };
-                }
-            }
+            // SAFETY: the `n` bytes at `p` lie inside a guest region `mem` keeps mapped.
+            Some(p) => unsafe { crate::read_volatile_bytes(p, dst) },
             None => mem
                 .read_slice(dst, GuestAddress(addr))
                 .map_err(|_| RequestError::Memory)?,
@@ -599,6 +594,34 @@ mod tests {
         let e = parse(&m, &segs, &mut Vec::new(), &mut Vec::new(), 64).unwrap_err();
         assert_eq!(e, RequestError::Unsupported(0x77));
         assert_eq!(e.status(), Status::Unsupp);
+    }
+
+    #[test]
+    fn unaligned_tables_and_headers_parse_like_aligned_ones() {
+        // An indirect table and a header at odd addresses take the byte-wise paths.
+        let m = mem();
+        for (table, hdr) in [(0x38_0000u64, HDR), (0x38_0003, HDR + 5)] {
+            let mut h = [0u8; 16];
+            h[..4].copy_from_slice(&VIRTIO_BLK_T_OUT.to_le_bytes());
+            h[8..].copy_from_slice(&0x1234_5678_9abc_u64.to_le_bytes());
+            m.write_slice(&h, GuestAddress(hdr)).unwrap();
+            let entries = [
+                SplitDescriptor::new(hdr, 16, F_NEXT, 1),
+                SplitDescriptor::new(DATA, 4096, F_NEXT, 2),
+                SplitDescriptor::new(STATUS, 1, F_WRITE, 0),
+            ];
+            for (i, e) in entries.iter().enumerate() {
+                m.write_obj(*e, GuestAddress(table + 16 * i as u64))
+                    .unwrap();
+            }
+            let (r, iov, _) = parse_chain(&m, &[d(table, 48, F_INDIRECT, 0)]).unwrap();
+            assert_eq!(
+                (r.kind, r.sector, r.data_len),
+                (Kind::Out, 0x1234_5678_9abc, 4096)
+            );
+            assert_eq!(r.status, GuestAddress(STATUS));
+            assert_eq!(iov.len(), 1);
+        }
     }
 
     #[test]
