@@ -53,20 +53,30 @@ pub(crate) fn host_range(mem: &GuestMem, addr: u64, len: usize) -> Option<*mut u
 }
 
 /// Copies guest bytes at host address `src` into `dst` with volatile loads (the guest may
-/// change them meanwhile), eight at a time where `src` is 8-aligned: byte loads stored one by
-/// one and then read back as words stall on store forwarding.
+/// change them meanwhile), eight bytes per store: byte loads stored one by one and then read
+/// back as words (a request header's sector) stall on store forwarding. Where `src` is
+/// 8-aligned each word is one load; elsewhere (libblkio packs its headers unaligned) eight byte
+/// loads assembled in a register.
 ///
 /// # Safety
 /// The `dst.len()` bytes at `src` must be mapped memory that stays mapped during the call.
 pub(crate) unsafe fn read_volatile_bytes(src: *const u8, dst: &mut [u8]) {
+    let aligned = (src as usize) % 8 == 0;
     let mut k = 0;
-    if (src as usize) % 8 == 0 {
-        for w in dst.chunks_exact_mut(8) {
+    for w in dst.chunks_exact_mut(8) {
+        let v = if aligned {
             // SAFETY: inside the caller's range, and 8-aligned (`src` is, `k` steps by 8).
-            let v = unsafe { std::ptr::read_volatile(src.add(k).cast::<u64>()) };
-            w.copy_from_slice(&v.to_ne_bytes());
-            k += 8;
-        }
+            u64::from_le(unsafe { std::ptr::read_volatile(src.add(k).cast::<u64>()) })
+        } else {
+            let mut v = 0u64;
+            for i in 0..8 {
+                // SAFETY: inside the caller's range.
+                v |= u64::from(unsafe { std::ptr::read_volatile(src.add(k + i)) }) << (8 * i);
+            }
+            v
+        };
+        w.copy_from_slice(&v.to_le_bytes());
+        k += 8;
     }
     for b in &mut dst[k..] {
         // SAFETY: inside the caller's range.
