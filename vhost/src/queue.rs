@@ -305,17 +305,66 @@ struct Slot {
     /// A flush follows the write (write-through mode).
     flush_after: bool,
     status: Status,
-    /// Guest memory snapshot the buffers point into; kept until completion so a memory region
-    /// removed meanwhile stays mapped.
-    mem: Option<Arc<GuestMem>>,
+    /// The guest memory snapshot the buffers point into (its address, in the queue's `held`
+    /// list, which keeps it until completion so a memory region removed meanwhile stays
+    /// mapped). Never dereferenced.
+    mem: Option<*const GuestMem>,
     segs: Vec<Seg>,
     iov: Vec<iovec>,
     ranges: Vec<Range>,
 }
 
-// SAFETY: the raw pointers in `iov` point into guest memory kept alive by `mem` and are only used
-// by the worker that owns the slot.
+// SAFETY: the raw pointers in `iov` point into guest memory kept alive by the snapshot `mem` names
+// (held by the queue) and are only used by the worker that owns the slot; `mem` is only compared.
 unsafe impl Send for Slot {}
+
+/// A memory snapshot requests in flight point into, with how many do: requests hold their
+/// snapshot through this count instead of an atomic reference count update each.
+struct Held {
+    mem: Arc<GuestMem>,
+    requests: u32,
+}
+
+/// The snapshots of a queue's requests in flight (usually one).
+#[derive(Default)]
+struct HeldSnapshots {
+    list: Vec<Held>,
+}
+
+impl HeldSnapshots {
+    /// Counts one more request in flight in `mem`; returns the key its slot keeps.
+    fn hold(&mut self, mem: &Arc<GuestMem>) -> *const GuestMem {
+        let key = Arc::as_ptr(mem);
+        if let Some(h) = self.list.iter_mut().find(|h| Arc::as_ptr(&h.mem) == key) {
+            h.requests += 1;
+        } else {
+            self.list.retain(|h| h.requests > 0);
+            self.list.push(Held {
+                mem: mem.clone(),
+                requests: 1,
+            });
+        }
+        key
+    }
+
+    /// One request in the snapshot `key` completed. A snapshot no request needs any more is
+    /// let go, unless it is the current one (`current`), which the next request will likely
+    /// use again: that one is let go before the worker sleeps ([`HeldSnapshots::release_idle`]).
+    fn release(&mut self, key: *const GuestMem, current: &Arc<GuestMem>) {
+        if let Some(k) = self.list.iter().position(|h| Arc::as_ptr(&h.mem) == key) {
+            let h = &mut self.list[k];
+            h.requests = h.requests.saturating_sub(1);
+            if h.requests == 0 && key != Arc::as_ptr(current) {
+                self.list.swap_remove(k);
+            }
+        }
+    }
+
+    /// Lets go of the snapshots no request needs.
+    fn release_idle(&mut self) {
+        self.list.retain(|h| h.requests > 0);
+    }
+}
 
 /// A queue being served by a worker.
 struct Active {
@@ -337,6 +386,8 @@ struct Active {
     signalled: u16,
     /// Host addresses of the rings in the current memory snapshot.
     rings: ring::Rings,
+    /// The snapshots of requests in flight.
+    held: HeldSnapshots,
 }
 
 impl Active {
@@ -404,7 +455,14 @@ impl Worker {
         if self.shared.poison.is_poisoned() {
             self.fail_poisoned();
         }
+        let before = self.cached.as_ref().map(|(_, m)| Arc::as_ptr(m));
         let snap = self.mem.refresh(self.cached.take());
+        if before.is_some_and(|b| b != Arc::as_ptr(&snap.1)) {
+            // A new table: a snapshot held for no request is not the current one any more.
+            for q in &mut self.queues {
+                q.held.release_idle();
+            }
+        }
         let mut progress = false;
         for i in 0..self.queues.len() {
             progress |= self.service(i, &snap.1);
@@ -461,6 +519,9 @@ impl Worker {
                 continue;
             }
             drop(snap);
+            for q in &mut self.queues {
+                q.held.release_idle();
+            }
             let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
@@ -669,6 +730,7 @@ impl Worker {
             retry_at: None,
             signalled,
             rings: ring::Rings::default(),
+            held: HeldSnapshots::default(),
         });
         // Requests may have been queued before the kick was registered.
         let _ = self.wake.write(1);
@@ -817,7 +879,6 @@ impl Worker {
         let mut took = false;
         let mut taken = 0usize;
         let mut bytes = 0u64;
-        let shared = self.shared.clone();
         // The device's properties once per batch, not per request, and not at all when the
         // ring is empty (a polling worker looks many times between requests).
         let mut info: Option<katablk_bdev::DeviceInfo> = None;
@@ -842,7 +903,7 @@ impl Worker {
             avail
         };
         loop {
-            if shared.poison.is_poisoned() {
+            if self.shared.poison.is_poisoned() {
                 break;
             }
             let q = &mut self.queues[i];
@@ -887,11 +948,16 @@ impl Worker {
             slot.flush_after = false;
             slot.status = Status::Ok;
             slot.req = None;
-            slot.mem = Some(mem.clone());
-            let walked = chain::walk_table(table, head, &mut slot.segs, shared.seg_max + 2);
+            let key = q.held.hold(mem);
+            let slot = &mut q.slots[usize::from(slot_idx)];
+            slot.mem = Some(key);
+            let walked = chain::walk_table(table, head, &mut slot.segs, self.shared.seg_max + 2);
             if let Err(e) = walked {
                 debug!(queue = q.ctx.index, head, "bad descriptor chain: {e}");
-                shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .stats
+                    .bad_requests
+                    .fetch_add(1, Ordering::Relaxed);
                 slot.status = Status::IoErr;
                 self.complete(i, slot_idx, mem);
                 continue;
@@ -901,11 +967,11 @@ impl Worker {
                 &slot.segs,
                 &mut slot.iov,
                 &mut slot.ranges,
-                shared.seg_max + 2,
+                self.shared.seg_max + 2,
             ) {
                 Ok(req) => {
                     slot.req = Some(req);
-                    if shared.qos.is_active() {
+                    if self.shared.qos.is_active() {
                         // Admitted in ring order: the first that must wait holds the rest.
                         q.throttled.push_back(slot_idx);
                         self.release_throttled(i, mem);
@@ -915,7 +981,7 @@ impl Worker {
                         continue;
                     }
                     bytes += req.data_len;
-                    let info = info.get_or_insert_with(|| shared.dev.info());
+                    let info = info.get_or_insert_with(|| self.shared.dev.info());
                     self.dispatch(i, slot_idx, mem, info);
                     taken += 1;
                     if taken >= EARLY_COMPLETION_BATCH || bytes >= EARLY_COMPLETION_BYTES {
@@ -933,7 +999,10 @@ impl Worker {
                 }
                 Err(e) => {
                     debug!(queue = q.ctx.index, head, "bad request: {e}");
-                    shared.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .stats
+                        .bad_requests
+                        .fetch_add(1, Ordering::Relaxed);
                     slot.status = e.status();
                     self.complete(i, slot_idx, mem);
                 }
@@ -1085,6 +1154,7 @@ impl Worker {
         self.done.clear();
         let mut done = std::mem::take(&mut self.done);
         let n = self.queues[i].chan.poll(&mut done);
+        let mut tally = Tally::default();
         for c in &done {
             let slot_idx = c.token as u16;
             let q = &mut self.queues[i];
@@ -1113,35 +1183,15 @@ impl Worker {
                         self.dispatch(i, slot_idx, mem, &self.shared.dev.info());
                         let _ = self.queues[i].chan.commit();
                     } else {
-                        self.account(&req);
+                        tally.add(&req);
                         self.complete(i, slot_idx, mem);
                     }
                 }
             }
         }
         self.done = done;
+        tally.publish(&self.shared.stats);
         n > 0
-    }
-
-    fn account(&self, req: &Request) {
-        let s = &self.shared.stats;
-        match req.kind {
-            Kind::In => {
-                s.read_ops.fetch_add(1, Ordering::Relaxed);
-                s.read_bytes.fetch_add(req.data_len, Ordering::Relaxed);
-            }
-            Kind::Out => {
-                s.write_ops.fetch_add(1, Ordering::Relaxed);
-                s.write_bytes.fetch_add(req.data_len, Ordering::Relaxed);
-            }
-            Kind::Flush => {
-                s.flush_ops.fetch_add(1, Ordering::Relaxed);
-            }
-            Kind::Discard | Kind::WriteZeroes => {
-                s.unmap_ops.fetch_add(1, Ordering::Relaxed);
-            }
-            Kind::GetId => {}
-        }
     }
 
     /// Writes the status, puts the head in the used ring and frees the slot.
@@ -1166,8 +1216,11 @@ impl Worker {
             None => 0,
         };
         let head = slot.head;
-        slot.mem = None;
+        let held = slot.mem.take();
         slot.req = None;
+        if let Some(key) = held {
+            q.held.release(key, mem);
+        }
         if let Some(inf) = &q.ctx.inflight {
             inf.pre_put(head);
         }
@@ -1186,7 +1239,50 @@ impl Worker {
     }
 }
 
-/// Submits one request, mapping refusals to a virtio status; Ok(true) when queued.
+/// The I/O counters of one batch of completions, added to the device's shared counters once
+/// per batch rather than with two atomic additions per request.
+#[derive(Default)]
+struct Tally {
+    read_ops: u64,
+    read_bytes: u64,
+    write_ops: u64,
+    write_bytes: u64,
+    flush_ops: u64,
+    unmap_ops: u64,
+}
+
+impl Tally {
+    fn add(&mut self, req: &Request) {
+        match req.kind {
+            Kind::In => {
+                self.read_ops += 1;
+                self.read_bytes += req.data_len;
+            }
+            Kind::Out => {
+                self.write_ops += 1;
+                self.write_bytes += req.data_len;
+            }
+            Kind::Flush => self.flush_ops += 1,
+            Kind::Discard | Kind::WriteZeroes => self.unmap_ops += 1,
+            Kind::GetId => {}
+        }
+    }
+
+    fn publish(&self, s: &crate::Stats) {
+        let add = |a: &AtomicU64, n: u64| {
+            if n > 0 {
+                a.fetch_add(n, Ordering::Relaxed);
+            }
+        };
+        add(&s.read_ops, self.read_ops);
+        add(&s.read_bytes, self.read_bytes);
+        add(&s.write_ops, self.write_ops);
+        add(&s.write_bytes, self.write_bytes);
+        add(&s.flush_ops, self.flush_ops);
+        add(&s.unmap_ops, self.unmap_ops);
+    }
+}
+
 /// What a request costs in the QoS budget: its data bytes for reads and writes, one I/O for
 /// everything.
 fn qos_dir(r: &Request) -> Dir {
@@ -1197,6 +1293,7 @@ fn qos_dir(r: &Request) -> Dir {
     }
 }
 
+/// Submits one request, mapping refusals to a virtio status; Ok(true) when queued.
 fn submit(chan: &mut dyn IoChannel, r: &IoRequest<'_>) -> Result<bool, Status> {
     // SAFETY: callers pass buffers that stay valid until the completion is reaped (see
     // `Worker::dispatch`); requests without buffers carry no pointers.
@@ -1279,6 +1376,31 @@ mod tests {
     /// entries written back into guest memory are checked, and a malformed chain gets IOERR
     /// without stopping the queue.
     /// A worker's cached table is used until the backend replaces it, then the new one.
+    #[test]
+    fn requests_hold_their_snapshot_until_the_last_one_completes() {
+        let gm = || Arc::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x1000)]).unwrap());
+        let (old, new) = (gm(), gm());
+        let mut held = HeldSnapshots::default();
+        let a = held.hold(&old);
+        let b = held.hold(&old);
+        assert_eq!(
+            Arc::strong_count(&old),
+            2,
+            "one reference for both requests"
+        );
+        // The table is replaced while both are in flight: a third request uses the new one.
+        let c = held.hold(&new);
+        held.release(a, &new);
+        assert_eq!(Arc::strong_count(&old), 2, "kept while a request needs it");
+        held.release(b, &new);
+        assert_eq!(Arc::strong_count(&old), 1, "let go after its last request");
+        // The current snapshot stays held between requests, until the worker sleeps.
+        held.release(c, &new);
+        assert_eq!(Arc::strong_count(&new), 2);
+        held.release_idle();
+        assert_eq!(Arc::strong_count(&new), 1);
+    }
+
     #[test]
     fn a_cached_table_is_replaced_at_the_next_turn() {
         let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
