@@ -461,7 +461,10 @@ prefill_run() {
     [ "$PREFILL_SECS" != 0 ] || return 0
     run_bench --socket "$sock" --rw write --bs 1M --iodepth 8 --runtime "$PREFILL_SECS" --ramp 0 \
         --poll "$POLL" --no-progress --json "$OUT/logs/$tag.prefill.json" \
-        >"$OUT/logs/$tag.prefill.txt" 2>&1 || die "prefill write pass failed: $(tail -3 "$OUT/logs/$tag.prefill.txt")"
+        >"$OUT/logs/$tag.prefill.txt" 2>&1 || {
+        log "prefill write pass failed: $(tail -3 "$OUT/logs/$tag.prefill.txt")"
+        return 1
+    }
     local written
     written=$(awk '/"bytes":/ { gsub(/[^0-9]/, "", $2); if ($2 + 0 > m) m = $2 + 0 } END { printf "%d\n", m }' "$OUT/logs/$tag.prefill.json")
     if [ "$written" -lt $((IMG_MIB << 20)) ]; then
@@ -587,16 +590,28 @@ measure() {
             sync "$FILE_IMG"
             cat "$FILE_IMG" >/dev/null
         fi
-        start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
-        prefill_run "$server" "$case" "$wl" "$tag"
-        if ! run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
-            --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
-            --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
-            --meta case="$case" --meta workload="$wl" --meta server="$server" \
-            --meta round="$round" >"$OUT/logs/$tag.txt" 2>&1; then
-            log "FAILED: $tag: $(tail -3 "$OUT/logs/$tag.txt")"
+        # A run whose client the server dropped (SPDK's vhost now and then closes the
+        # connection while mapping a memory region) is tried once more on a fresh server.
+        local attempt ok=0
+        for attempt in 1 2; do
+            start_server "$server" "$case" "$sock" "$OUT/logs/$tag.server.log"
+            if prefill_run "$server" "$case" "$wl" "$tag" &&
+                run_bench --socket "$sock" "${wargs[@]}" --runtime "$RUNTIME" --ramp "$case_ramp" \
+                    --poll "$POLL" --server-pid "$SERVER_PID" --no-progress \
+                    --json "$OUT/raw/$tag.json" --label "$server $case $wl r$round" \
+                    --meta case="$case" --meta workload="$wl" --meta server="$server" \
+                    --meta round="$round" >"$OUT/logs/$tag.txt" 2>&1; then
+                ok=1
+                break
+            fi
+            log "FAILED: $tag (attempt $attempt): $(tail -3 "$OUT/logs/$tag.txt" 2>/dev/null)"
             log "server log: $(tail -3 "$OUT/logs/$tag.server.log")"
+            cp "$OUT/logs/$tag.server.log" "$OUT/logs/$tag.server.log.attempt$attempt" 2>/dev/null || true
             stop_server
+            rm -f "$OUT/raw/$tag.json"
+        done
+        if [ "$ok" != 1 ]; then
+            NOTES+=("$tag failed twice and is missing")
             continue
         fi
         if [ "$case" = thin-first-write ]; then
