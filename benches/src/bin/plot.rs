@@ -29,16 +29,22 @@ struct Args {
     font: Option<PathBuf>,
 }
 
+/// A fixed colour for each server the scripts know, so that every run's charts match and no
+/// two of them share one; others (qsd2, target-b, ...) take the rest in turn.
 fn server_color(idx: usize, name: &str) -> RGBColor {
     match name {
         "katablk" => RGBColor(31, 119, 180),
         "qsd" => RGBColor(255, 127, 14),
+        "spdk" => RGBColor(44, 160, 44),
+        "kspdk" => RGBColor(214, 39, 40),
+        "target" => RGBColor(148, 103, 189),
+        "chvub" => RGBColor(140, 86, 75),
         _ => {
             const OTHERS: [RGBColor; 4] = [
-                RGBColor(44, 160, 44),
-                RGBColor(214, 39, 40),
-                RGBColor(148, 103, 189),
-                RGBColor(140, 86, 75),
+                RGBColor(227, 119, 194),
+                RGBColor(127, 127, 127),
+                RGBColor(188, 189, 34),
+                RGBColor(23, 190, 207),
             ];
             OTHERS[idx % OTHERS.len()]
         }
