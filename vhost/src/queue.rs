@@ -1377,6 +1377,22 @@ mod tests {
         m.write_slice(&h, GuestAddress(at)).unwrap();
     }
 
+    /// `n` read chains of `len` bytes each (request `r` reads sector `r`): header at
+    /// 0x10_0000 + r * 4 KiB, data from 0x20_0000, status byte at 0x80_0000 + r.
+    fn reads(m: &GuestMem, n: u64, len: u32) -> Vec<RawDescriptor> {
+        let stride = u64::from(len).max(0x1000);
+        let mut descs = Vec::new();
+        for r in 0..n {
+            let at = 0x10_0000 + r * 0x1000;
+            header(m, at, VIRTIO_BLK_T_IN, r);
+            let i = (r * 3) as u16;
+            descs.push(d(at, 16, F_NEXT, i + 1));
+            descs.push(d(0x20_0000 + r * stride, len, F_NEXT | F_WRITE, i + 2));
+            descs.push(d(0x80_0000 + r, 1, F_WRITE, 0));
+        }
+        descs
+    }
+
     /// Requests in a mock queue are served against a RAM device: the status bytes and used ring
     /// entries written back into guest memory are checked, and a malformed chain gets IOERR
     /// without stopping the queue.
@@ -1435,16 +1451,7 @@ mod tests {
         let m = &*snap;
         let mq = MockSplitQueue::new(m, 64);
         let n = EARLY_COMPLETION_BATCH as u64 * 2 + 3;
-        let mut descs = Vec::new();
-        for r in 0..n {
-            let at = 0x10_0000 + r * 0x1000;
-            header(m, at, VIRTIO_BLK_T_IN, r);
-            let i = (r * 3) as u16;
-            descs.push(d(at, 16, F_NEXT, i + 1));
-            descs.push(d(0x40_0000 + r * 0x1000, 512, F_NEXT | F_WRITE, i + 2));
-            descs.push(d(0x80_0000 + r, 1, F_WRITE, 0));
-        }
-        mq.add_desc_chains(&descs, 0).unwrap();
+        mq.add_desc_chains(&reads(m, n, 512), 0).unwrap();
         let queue: Queue = mq.create_queue().unwrap();
         let call = EventFd::new(EFD_NONBLOCK).unwrap();
         let mut w = worker(&mem, false);
@@ -1476,21 +1483,7 @@ mod tests {
         let n = EARLY_COMPLETION_BATCH as u64 + 2;
         let len = 64u32 << 10;
         assert!(EARLY_COMPLETION_BATCH as u64 * u64::from(len) > EARLY_COMPLETION_BYTES);
-        let mut descs = Vec::new();
-        for r in 0..n {
-            let at = 0x10_0000 + r * 0x1000;
-            header(m, at, VIRTIO_BLK_T_IN, 0);
-            let i = (r * 3) as u16;
-            descs.push(d(at, 16, F_NEXT, i + 1));
-            descs.push(d(
-                0x20_0000 + r * u64::from(len),
-                len,
-                F_NEXT | F_WRITE,
-                i + 2,
-            ));
-            descs.push(d(0x80_0000 + r, 1, F_WRITE, 0));
-        }
-        mq.add_desc_chains(&descs, 0).unwrap();
+        mq.add_desc_chains(&reads(m, n, len), 0).unwrap();
         let queue: Queue = mq.create_queue().unwrap();
         let mut w = worker(&mem, false);
         w.external = true;
