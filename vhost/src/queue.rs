@@ -70,6 +70,17 @@ impl MemTable {
         (generation, self.table.memory().into_inner())
     }
 
+    /// True if the table was replaced after the snapshot of generation `generation`.
+    ///
+    /// The backend replaces the table before it acknowledges the message that changed it, and
+    /// the frontend may use the new regions in the next chain it makes available. A worker that
+    /// took its snapshot before the replacement and then reads the available index must check
+    /// this before taking what it found: reading the index (an acquire load) orders this load
+    /// after the frontend's write, which came after the acknowledgement.
+    fn replaced_since(&self, generation: u64) -> bool {
+        self.generation.load(Ordering::Acquire) != generation
+    }
+
     /// `cached` if no replacement happened since it was taken, else the current table.
     fn refresh(&self, cached: Option<(u64, Arc<GuestMem>)>) -> (u64, Arc<GuestMem>) {
         match cached {
@@ -177,6 +188,7 @@ impl WorkerHandle {
             shared,
             mem,
             cached: None,
+            generation: 0,
             queues: Vec::new(),
             done: Vec::with_capacity(256),
             external: runtime.is_some(),
@@ -433,6 +445,8 @@ struct Worker {
     /// The memory table of the last turn, with its generation: kept while the worker polls,
     /// dropped before it sleeps (so regions the frontend removed are unmapped while idle).
     cached: Option<(u64, Arc<GuestMem>)>,
+    /// The generation of the snapshot this turn uses (see [`MemTable::replaced_since`]).
+    generation: u64,
     queues: Vec<Active>,
     done: Vec<Completion>,
     /// Driven by an external runtime's step calls: never block, never sleep.
@@ -460,6 +474,7 @@ impl Worker {
         }
         let before = self.cached.as_ref().map(|(_, m)| Arc::as_ptr(m));
         let snap = self.mem.refresh(self.cached.take());
+        self.generation = snap.0;
         if before.is_some_and(|b| b != Arc::as_ptr(&snap.1)) {
             // A new table: a snapshot held for no request is not the current one any more.
             for q in &mut self.queues {
@@ -903,7 +918,16 @@ impl Worker {
             if q.stop_if_wild(avail) {
                 return false;
             }
-            avail
+            if self.mem.replaced_since(self.generation) {
+                // These chains may use regions added after this turn's snapshot: take them
+                // at the next turn, with the new table (progress: the worker turns again).
+                if q.ctx.resubmit.is_empty() {
+                    return true;
+                }
+                q.ctx.queue.next_avail()
+            } else {
+                avail
+            }
         };
         loop {
             if self.shared.poison.is_poisoned() {
@@ -921,7 +945,7 @@ impl Worker {
                     // The batch seen is taken: look once more for chains added meanwhile.
                     match rings.avail_idx(&q.ctx.queue) {
                         Some(a) if a != avail => {
-                            if q.stop_if_wild(a) {
+                            if q.stop_if_wild(a) || self.mem.replaced_since(self.generation) {
                                 break;
                             }
                             avail = a;
@@ -1349,6 +1373,7 @@ mod tests {
             shared,
             mem: mem.clone(),
             cached: None,
+            generation: 0,
             queues: Vec::new(),
             done: Vec::new(),
             external: false,
@@ -1438,6 +1463,46 @@ mod tests {
         assert!(crate::host_range(&after.1, 0x1f_f000, 4096).is_some());
         // The old snapshot, held by a request in flight, still maps its region.
         assert!(crate::host_range(&first.1, 0xf_f000, 4096).is_some());
+    }
+
+    /// A region the backend added (and acknowledged) after a worker's turn began is used by
+    /// the next chain the driver makes available (libblkio adds its buffers after starting
+    /// the queue): the worker takes that chain with the new table, not the turn's snapshot,
+    /// which would fail it with IOERR as "not in guest memory".
+    #[test]
+    fn chains_after_a_table_change_wait_for_the_new_table() {
+        let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let mem = MemTable::new(gm);
+        let old = mem.memory().into_inner();
+        let m = &*old;
+        let mq = MockSplitQueue::new(m, 16);
+        let queue: Queue = mq.create_queue().unwrap();
+        let mut w = worker(&mem, false);
+        w.start(vring(queue, None));
+        // The turn's snapshot is taken: one region.
+        let (snap, _) = w.turn().unwrap();
+        assert!(Arc::ptr_eq(&snap.1, &old));
+        // The backend adds a region at 1 MiB; the driver puts a read into it.
+        let buf = vm_memory::GuestRegionMmap::from_range(GuestAddress(0x10_0000), 0x1_0000, None)
+            .unwrap();
+        mem.replace(old.insert_region(Arc::new(buf)).unwrap())
+            .unwrap();
+        header(m, 0x1000, VIRTIO_BLK_T_IN, 0);
+        let chain = [
+            d(0x1000, 16, F_NEXT, 1),
+            d(0x10_0000, 4096, F_NEXT | F_WRITE, 2),
+            d(0x2000, 1, F_WRITE, 0),
+        ];
+        mq.add_desc_chains(&chain, 0).unwrap();
+        m.write_obj::<u8>(0xff, GuestAddress(0x2000)).unwrap();
+        // The rest of the same turn sees the chain: it waits for the next turn.
+        assert!(w.service(0, &snap.1), "the worker must turn again");
+        assert_eq!(mq.used().idx().load(), 0);
+        w.cached = Some(snap);
+        w.turn().unwrap();
+        assert_eq!(mq.used().idx().load(), 1);
+        let st = m.read_obj::<u8>(GuestAddress(0x2000)).unwrap();
+        assert_eq!(st, VIRTIO_BLK_S_OK as u8);
     }
 
     /// Under an external runtime a step takes at most EARLY_COMPLETION_BATCH requests, and
