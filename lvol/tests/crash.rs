@@ -458,6 +458,11 @@ fn random_workload(
                 if nb > old {
                     v.blocks.resize(nb, vec![0]);
                 }
+                if nb == old {
+                    // Nothing changes, nothing is written: not a flush of earlier writes.
+                    l.resize(&name, clusters * CS).map_err(|_| Stop)?;
+                    continue;
+                }
                 md(m, l.resize(&name, clusters * CS))?;
                 let v = m.vols.get_mut(&name).unwrap();
                 v.blocks.truncate(nb);
