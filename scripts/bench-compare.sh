@@ -54,6 +54,9 @@ FILE_IMG=${FILE_IMG:-${IMG_DIR:-/var/tmp}/katablk-bench.img} # "file" case, pref
 TMPFS_IMG=${TMPFS_IMG:-/dev/shm/katablk-bench.img} # "ram" (qsd side) and "tmpfs" cases
 REFILL=${REFILL:-0}                              # 1: rewrite the images even if present
 DIRECT=${DIRECT:-0}                              # 1: O_DIRECT in the file case (both servers)
+FILE_CACHE=${FILE_CACHE:-warm}                   # file case, buffered: warm (the image read into an
+                                                 # empty page cache before each run) | cold (the cache
+                                                 # dropped: its pages come from the server's own I/O)
 NUM_QUEUES=${NUM_QUEUES:-2}                      # queues every server exports
 POLL=${POLL:-event}                              # client completion wait: event | busy
 WAKEUP_SECS=${WAKEUP_SECS:-3}                    # katablk-bench-wakeup floor per wait mode (0: none)
@@ -194,6 +197,7 @@ for s in $SERVERS; do
     esac
 done
 [ ${#active[@]} -gt 0 ] || die "no server to benchmark"
+case $FILE_CACHE in warm | cold) ;; *) die "FILE_CACHE must be warm or cold, not '$FILE_CACHE'" ;; esac
 # SPDK's DPDK environment (spdk, kspdk) takes its -s memory from 2 MiB hugepages on a hugetlbfs
 # mount; a fresh machine has neither ("EAL: Cannot get hugepage information").
 case " ${active[*]} " in *" spdk "* | *" kspdk "* | *" kspdk-b "*)
@@ -525,7 +529,7 @@ mkdir -p "$OUT/raw" "$OUT/logs"
     echo "chvub: ${CH_VUB:-unset}"
     echo "spdk: ${SPDK_VHOST:-unset}"
     echo "servers: ${active[*]}"
-    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT NUM_QUEUES POLL WAKEUP_SECS KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS CH_EXTRA EXTRA_BASELINES; do
+    for v in SERVERS CANDIDATE BASELINE SERVER_CPUS CLIENT_CPUS CASES WORKLOADS ROUNDS INTERLEAVE RUNTIME RAMP IDLE_SECS IMG_MIB IMG_DIR FILE_IMG TMPFS_IMG DIRECT FILE_CACHE NUM_QUEUES POLL WAKEUP_SECS KATABLK_EXTRA QSD_EXTRA KATABLK_TARGET TARGET_EXTRA TARGET_CPUMASK LVOL_IMG LVS_SLACK_MIB THIN_IMG THIN_MIB THIN_CLUSTER THIN_WORKLOADS PREFILL_SECS CH_EXTRA EXTRA_BASELINES; do
         echo "$v=${!v}"
     done
 } >"$OUT/env.txt"
@@ -587,8 +591,13 @@ measure() {
             # Every server starts alike: the writes of the previous run written back (pages
             # under writeback make buffered writes wait) and the whole image in the page cache
             # again (O_DIRECT writes of SPDK's AIO bdev drop the pages they write).
+            # The cache is dropped first either way: what the page cache holds of the image,
+            # and in folios of which size, then depends on this run only (a read ahead fills
+            # large folios, in which ext4 walks every block of the folio for each 4 KiB
+            # buffered write; pages a server read or wrote one at a time stay small).
             sync "$FILE_IMG"
-            cat "$FILE_IMG" >/dev/null
+            { echo 3 >/proc/sys/vm/drop_caches; } 2>/dev/null || log "cannot drop the page cache (not root?)"
+            [ "$FILE_CACHE" = cold ] || cat "$FILE_IMG" >/dev/null
         fi
         # A run whose client the server dropped (SPDK's vhost now and then closes the
         # connection while mapping a memory region) is tried once more on a fresh server.
