@@ -182,7 +182,9 @@ impl LvStore {
     fn start(shared: Arc<Shared>, report: OpenReport) -> LvStore {
         let s2 = shared.clone();
         let handle = std::thread::Builder::new()
-            .name(format!("lvs-{}-alloc", shared.name()))
+            // A thread name with a NUL would panic; names are checked, but not all of them
+            // were written by this code (imports).
+            .name(format!("lvs-{}-alloc", shared.name()).replace('\0', "?"))
             .spawn(move || crate::alloc::alloc_worker(s2))
             .ok();
         if handle.is_none() {

@@ -137,6 +137,10 @@ impl SuperBlock {
             Ok(s) => s.to_string(),
             Err(_) => return bad("name is not UTF-8".into()),
         };
+        // Names are created non-empty and without NUL (`check_name`).
+        if name.is_empty() || name.contains('\0') {
+            return bad(format!("name {name:?}"));
+        }
         let mut u = [0u8; 16];
         u.copy_from_slice(&p[64..80]);
         let sb = SuperBlock {
@@ -384,6 +388,32 @@ mod tests {
         ));
         p[0] = b'X';
         assert!(SuperBlock::decode(&p).unwrap().is_none());
+    }
+
+    /// Recomputes the page's checksum after an edit.
+    fn reseal(p: &mut [u8]) {
+        let c = crc(&p[..PAGE_SIZE - 4]);
+        put_u32(p, PAGE_SIZE - 4, c);
+    }
+
+    #[test]
+    fn names_with_nul_or_empty_are_corrupt() {
+        // A longer name length over the zero padding: "lvs0" and NULs (the name once became a
+        // thread name, and a NUL in one panics).
+        let mut p = sb().encode();
+        p[80] = 20;
+        reseal(&mut p);
+        assert!(matches!(
+            SuperBlock::decode(&p),
+            Err(LvolError::CorruptSuperblock(m)) if m.contains("name")
+        ));
+        let mut p = sb().encode();
+        p[80] = 0;
+        reseal(&mut p);
+        assert!(matches!(
+            SuperBlock::decode(&p),
+            Err(LvolError::CorruptSuperblock(m)) if m.contains("name")
+        ));
     }
 
     #[test]
