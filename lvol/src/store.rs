@@ -182,9 +182,7 @@ impl LvStore {
     fn start(shared: Arc<Shared>, report: OpenReport) -> LvStore {
         let s2 = shared.clone();
         let handle = std::thread::Builder::new()
-            // A thread name with a NUL would panic; names are checked, but not all of them
-            // were written by this code (imports).
-            .name(format!("lvs-{}-alloc", shared.name()).replace('\0', "?"))
+            .name(format!("lvs-{}-alloc", shared.name()))
             .spawn(move || crate::alloc::alloc_worker(s2))
             .ok();
         if handle.is_none() {
@@ -493,11 +491,7 @@ impl LvStore {
 
     /// Renames the store (SPDK's `bdev_lvol_rename_lvstore`); volume aliases follow.
     pub fn rename_store(&self, new_name: &str) -> Result<()> {
-        if new_name.is_empty() || new_name.len() > 63 || new_name.contains('/') {
-            return Err(LvolError::Invalid(format!(
-                "lvstore name {new_name:?} must be 1 to 63 bytes without '/'"
-            )));
-        }
+        check_name(new_name)?;
         let mut st = self.shared.md();
         st.check_ok()?;
         let mut sb = st.sb.clone();

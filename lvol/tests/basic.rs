@@ -362,6 +362,10 @@ fn rename_store_persists_and_aliases_follow() {
     assert!(lvs.lvol("new/v").is_ok());
     assert!(lvs.rename_store("").is_err());
     assert!(lvs.rename_store("a/b").is_err());
+    assert!(
+        lvs.rename_store("a\0b").is_err(),
+        "a NUL would make the super block unreadable"
+    );
     drop(lvs);
     let lvs = LvStore::open(dev).unwrap();
     assert_eq!(lvs.name(), "new");
