@@ -78,6 +78,12 @@ pub struct SuperBlock {
     pub cmask_len: u32,
 }
 
+/// Writes the checksum of a super block page into its last four bytes.
+fn seal(p: &mut [u8]) {
+    let c = crc(&p[..PAGE_SIZE - 4]);
+    put_u32(p, PAGE_SIZE - 4, c);
+}
+
 impl SuperBlock {
     /// Encodes into one page.
     pub fn encode(&self) -> Vec<u8> {
@@ -104,8 +110,7 @@ impl SuperBlock {
         put_u32(&mut p, 172, self.pmask_len);
         put_u32(&mut p, 176, self.cmask_start);
         put_u32(&mut p, 180, self.cmask_len);
-        let c = crc(&p[..PAGE_SIZE - 4]);
-        put_u32(&mut p, PAGE_SIZE - 4, c);
+        seal(&mut p);
         p
     }
 
@@ -390,30 +395,22 @@ mod tests {
         assert!(SuperBlock::decode(&p).unwrap().is_none());
     }
 
-    /// Recomputes the page's checksum after an edit.
-    fn reseal(p: &mut [u8]) {
-        let c = crc(&p[..PAGE_SIZE - 4]);
-        put_u32(p, PAGE_SIZE - 4, c);
-    }
-
     #[test]
     fn names_with_nul_or_empty_are_corrupt() {
         // A longer name length over the zero padding: "lvs0" and NULs (the name once became a
         // thread name, and a NUL in one panics).
-        let mut p = sb().encode();
-        p[80] = 20;
-        reseal(&mut p);
-        assert!(matches!(
-            SuperBlock::decode(&p),
-            Err(LvolError::CorruptSuperblock(m)) if m.contains("name")
-        ));
-        let mut p = sb().encode();
-        p[80] = 0;
-        reseal(&mut p);
-        assert!(matches!(
-            SuperBlock::decode(&p),
-            Err(LvolError::CorruptSuperblock(m)) if m.contains("name")
-        ));
+        for len in [20, 0] {
+            let mut p = sb().encode();
+            p[80] = len;
+            seal(&mut p);
+            assert!(
+                matches!(
+                    SuperBlock::decode(&p),
+                    Err(LvolError::CorruptSuperblock(m)) if m.contains("name")
+                ),
+                "name length {len}"
+            );
+        }
     }
 
     #[test]

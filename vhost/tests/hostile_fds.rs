@@ -110,7 +110,6 @@ fn assert_running(srv: &mut Server, what: &str) {
     );
 }
 
-/// A libblkio client, retried while the daemon is still finishing its previous frontend.
 /// A libblkio client of `srv`: one attempt, since the daemon was ready before the attack and
 /// its accept loop takes the next frontend as soon as the previous one is dropped.
 fn connect_client(srv: &mut Server, what: &str) -> Client {
