@@ -217,6 +217,9 @@ pub(crate) struct UringChannel {
     /// The file is registered with the ring (index 0).
     fixed_file: bool,
     efd: EventFd,
+    /// `efd` was signalled for an inline completion and not cleared since: it is still
+    /// readable, so further inline completions need no `write` to it.
+    efd_signalled: bool,
     slots: Box<[Slot]>,
     /// `slots.len() * max_segments` iovecs: slot `i` owns `[i * max_segments, (i + 1) *
     /// max_segments)`. Never reallocated, so pointers handed to the kernel stay valid.
@@ -274,6 +277,7 @@ impl UringChannel {
             support,
             fixed_file,
             efd,
+            efd_signalled: false,
             slots: vec![EMPTY_SLOT; depth].into_boxed_slice(),
             iovs: vec![
                 iovec {
@@ -525,13 +529,15 @@ impl UringChannel {
 
     /// Completes a request at once (done inline, or trivially empty).
     fn complete_now(&mut self, token: u64, result: Result<u64, IoError>) {
-        let was_empty = self.done.is_empty();
         self.done.push_back(Completion { token, result });
         self.in_flight += 1;
-        // Keep the "readable when completions are ready" promise of `notify_fd`: once per
-        // batch of inline completions (the fd stays readable until cleared and polled).
-        if was_empty {
+        // Keep the "readable when completions are ready" promise of `notify_fd`. The descriptor
+        // stays readable until it is cleared, so one `write` covers every inline completion up
+        // to the next `clear_notify`: a caller that polls without sleeping (and so without
+        // clearing) makes no system call per request here.
+        if !self.efd_signalled {
             self.efd.signal();
+            self.efd_signalled = true;
         }
     }
 
@@ -546,6 +552,7 @@ impl UringChannel {
             self.submit_ring()?;
             // Reset first so a completion arriving after the check below still wakes us.
             self.efd.clear();
+            self.efd_signalled = false;
             self.reap();
             if self.done.is_empty() {
                 let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
@@ -672,6 +679,7 @@ impl IoChannel for UringChannel {
 
     fn clear_notify(&mut self) {
         self.efd.clear();
+        self.efd_signalled = false;
     }
 }
 
@@ -799,6 +807,76 @@ mod tests {
             }
         );
         assert_eq!(back, data);
+    }
+
+    /// Inline completions (tmpfs) make the notify descriptor readable once: a caller that polls
+    /// without clearing gets no further `write` per request, and one that cleared it is
+    /// signalled again by the next inline completion.
+    #[test]
+    fn inline_completions_signal_once_until_cleared() {
+        if probe().is_err() {
+            println!("skipped: io_uring unavailable");
+            return;
+        }
+        let Ok(f) = tempfile::NamedTempFile::new_in("/dev/shm") else {
+            println!("skipped: no /dev/shm");
+            return;
+        };
+        f.as_file().set_len(1 << 20).unwrap();
+        let opts = FileOptions {
+            mode: IoMode::IoUring,
+            ..Default::default()
+        };
+        let d = FileDevice::open(f.path(), &opts).unwrap();
+        let mut ch = d.open_channel(4, 4).unwrap();
+        let fd = ch.notify_fd().unwrap();
+        let counter = || {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes from an eventfd into a local u64 (non-blocking fd).
+            let n = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+            if n == 8 {
+                // Put the count back so the channel still sees the descriptor readable.
+                // SAFETY: writes 8 bytes from a local u64 to the same eventfd.
+                unsafe { libc::write(fd, (&v as *const u64).cast(), 8) };
+                v
+            } else {
+                0
+            }
+        };
+        let mut buf = vec![0u8; 4096];
+        let iov = [iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        let mut out = Vec::new();
+        for token in 0..3 {
+            let r = IoRequest {
+                op: IoOp::Read,
+                offset: token * 4096,
+                len: 4096,
+                iov: &iov,
+                token,
+            };
+            // SAFETY: `buf` outlives the request, which completes inside `submit`.
+            unsafe { ch.submit(&r).unwrap() };
+            ch.commit().unwrap();
+            assert_eq!(ch.poll(&mut out), 1);
+        }
+        assert_eq!(counter(), 1, "one signal for three inline completions");
+        ch.clear_notify();
+        assert_eq!(counter(), 0);
+        let r = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 4096,
+            iov: &iov,
+            token: 9,
+        };
+        // SAFETY: as above.
+        unsafe { ch.submit(&r).unwrap() };
+        assert_eq!(counter(), 1, "signalled again after the clear");
+        assert_eq!(ch.poll(&mut out), 1);
+        assert!(out.iter().all(|c| c.result == Ok(4096)));
     }
 
     /// tmpfs has no `FALLOC_FL_ZERO_RANGE`: the channel must fall back to punching a hole.
