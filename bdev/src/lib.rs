@@ -21,6 +21,7 @@ pub mod null;
 mod pool;
 pub mod qos;
 pub mod shm;
+pub mod sigbus;
 pub mod sync;
 mod uring;
 

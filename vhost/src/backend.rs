@@ -27,8 +27,8 @@ use crate::config::{self, BlkOptions, CONFIG_SPACE_LEN, MAX_MEM_SLOTS};
 use crate::fdcheck::check_mappable;
 use crate::inflight::InflightRegion;
 use crate::queue::{Cmd, DeviceShared, MemTable, VringCtx, WorkerHandle};
-use crate::sigbus::{self, Protection};
 use crate::{Error, GuestMem};
+use katablk_bdev::sigbus::{self, Protection};
 
 /// A guest memory region registered with the SIGBUS handler, kept registered until the region
 /// is unmapped (requests in flight may hold it after it left the memory table).

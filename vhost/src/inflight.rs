@@ -18,8 +18,8 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 
 use crate::fdcheck::check_mappable;
-use crate::sigbus::{self, Poison, Protection};
 use crate::Error;
+use katablk_bdev::sigbus::{self, Poison, Protection};
 
 const HEADER: usize = 16;
 const DESC: usize = 16;

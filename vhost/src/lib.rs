@@ -8,7 +8,8 @@
 //!   adaptive polling, moving data between guest memory and the device with no copy.
 //! - [`chain`] and [`request`] walk and parse descriptor chains strictly.
 //! - [`fdcheck`] refuses memory files that do not cover what the frontend asks to map, and
-//!   `sigbus` keeps a frontend that shrinks them afterwards from killing the process: a fault
+//!   `katablk_bdev::sigbus` keeps a frontend that shrinks them afterwards from killing the
+//!   process: a fault
 //!   in its memory costs only its own connection.
 //!
 //! It is built on the rust-vmm `vhost` crate's protocol handling rather than on
@@ -27,7 +28,6 @@ pub(crate) mod queue;
 pub mod request;
 mod ring;
 pub mod server;
-pub(crate) mod sigbus;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -108,6 +108,9 @@ pub enum Error {
     /// A memory file sent by the frontend was refused.
     #[error("refused memory file: {0}")]
     Fd(#[from] fdcheck::FdError),
+    /// The block-device layer failed (its process-wide facilities, such as the `SIGBUS` guard).
+    #[error("block device layer: {0}")]
+    Bdev(#[from] katablk_bdev::BdevError),
 }
 
 /// I/O counters of one device.

@@ -27,8 +27,8 @@ use crate::config::SECTOR_SIZE;
 use crate::inflight::InflightQueue;
 use crate::request::{self, Kind, Range, Request, Status};
 use crate::ring;
-use crate::sigbus::Poison;
 use crate::{Error, GuestMem};
+use katablk_bdev::sigbus::Poison;
 
 /// The guest memory table a backend shares with its queue workers. Every replacement bumps a
 /// generation, so a worker keeps its snapshot from one polling turn to the next and loads the

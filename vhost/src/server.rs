@@ -15,8 +15,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::BlkBackend;
 use crate::queue::DeviceShared;
-use crate::sigbus::Poison;
 use crate::{BlkOptions, Error, StatsSnapshot};
+use katablk_bdev::sigbus::Poison;
 
 /// Longest usable unix socket path (`sun_path` is 108 bytes with the terminating NUL).
 pub const MAX_SOCKET_PATH: usize = 107;

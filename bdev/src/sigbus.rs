@@ -1,7 +1,8 @@
-//! Surviving a frontend that shrinks its memory files under a running queue.
+//! Surviving a file that shrinks under a shared mapping of it.
 //!
-//! Guest memory and the inflight region are shared mappings of files the frontend owns. The
-//! backend checks their sizes before mapping them ([`crate::fdcheck`]), but the frontend can
+//! Guest memory and the inflight region are shared mappings of files a vhost-user frontend owns,
+//! and a file device on tmpfs maps its file (`memfile`). Their sizes are checked before they are
+//! mapped (the vhost backend's `fdcheck`), but the owner of such a file can
 //! `ftruncate` a file afterwards: the next access past the new end raises `SIGBUS`, whose
 //! default action kills the process and every device it serves.
 //!
@@ -28,18 +29,17 @@
 //! mapped around it stays as it is: even a registration that outlived its mapping can then only
 //! turn into zeroes a page that was faulting anyway.
 
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 
 use tracing::{error, warn};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::Error;
+use crate::eventfd::EventFd;
+use crate::BdevError;
 
 /// Registry capacity: mappings protected at once in the whole process (every device's memory
 /// regions and inflight regions).
-pub(crate) const MAX_PROTECTED: usize = 4096;
+pub const MAX_PROTECTED: usize = 4096;
 
 const FREE: u8 = 0;
 const BUSY: u8 = 1;
@@ -84,7 +84,7 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// The poisoned state of one frontend connection, set by the signal handler when one of its
 /// mappings faulted.
 #[derive(Debug)]
-pub(crate) struct Poison {
+pub struct Poison {
     poisoned: AtomicBool,
     /// The first faulting address seen.
     addr: AtomicUsize,
@@ -93,33 +93,34 @@ pub(crate) struct Poison {
 }
 
 impl Poison {
-    pub(crate) fn new() -> Result<Arc<Self>, Error> {
+    /// A fresh, unpoisoned state.
+    pub fn new() -> Result<Arc<Self>, BdevError> {
         Ok(Arc::new(Poison {
             poisoned: AtomicBool::new(false),
             addr: AtomicUsize::new(0),
-            wake: EventFd::new(EFD_NONBLOCK).map_err(|e| Error::Sys("eventfd", e))?,
+            wake: EventFd::new()?,
         }))
     }
 
     /// True once a mapping of the connection faulted.
-    pub(crate) fn is_poisoned(&self) -> bool {
+    pub fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Acquire)
     }
 
     /// The faulting address (0 when not poisoned).
-    pub(crate) fn fault_addr(&self) -> usize {
+    pub fn fault_addr(&self) -> usize {
         self.addr.load(Ordering::Relaxed)
     }
 
     /// The eventfd that becomes readable when the connection is poisoned.
-    pub(crate) fn wake_fd(&self) -> i32 {
-        self.wake.as_raw_fd()
+    pub fn wake_fd(&self) -> i32 {
+        self.wake.fd()
     }
 
     /// Forgets the poisoned state (for the next connection, once every mapping of the previous
     /// one is no longer accessed).
-    pub(crate) fn reset(&self) {
-        let _ = self.wake.read();
+    pub fn reset(&self) {
+        self.wake.clear();
         self.addr.store(0, Ordering::Relaxed);
         self.poisoned.store(false, Ordering::Release);
     }
@@ -135,7 +136,7 @@ impl Poison {
         // buffer is a live local u64, as eventfd writes require.
         unsafe {
             libc::write(
-                self.wake.as_raw_fd(),
+                self.wake.fd(),
                 (&one as *const u64).cast(),
                 std::mem::size_of::<u64>(),
             )
@@ -151,7 +152,7 @@ pub(crate) fn absorbed_faults() -> u64 {
 
 /// Installs the process-wide `SIGBUS` handler (the first call does it; later calls return what
 /// it did). False if `sigaction` failed, in which case faults stay fatal.
-pub(crate) fn install() -> bool {
+pub fn install() -> bool {
     INSTALL.call_once(|| {
         // SAFETY: sysconf has no memory-safety preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -196,14 +197,14 @@ pub(crate) fn install() -> bool {
 /// connection instead of killing the process. Drop it only once the mapping is no longer
 /// accessed.
 #[derive(Debug)]
-pub(crate) struct Protection {
+pub struct Protection {
     slot: usize,
 }
 
 /// Registers the mapping `[start, start + len)` of a file whose block size is `block_size`
 /// (the huge page size on hugetlbfs), owned by the connection `poison`. `None` (logged) if the
 /// handler could not be installed or the registry is full: the mapping then stays unprotected.
-pub(crate) fn protect(
+pub fn protect(
     start: *const u8,
     len: usize,
     block_size: u64,
@@ -370,7 +371,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
 mod tests {
     use super::*;
     use std::fs::File;
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{AsRawFd, FromRawFd};
 
     fn memfd(len: u64) -> File {
         // SAFETY: memfd_create with a NUL-terminated name; checked below.
@@ -425,7 +426,10 @@ mod tests {
         assert!(poison.is_poisoned());
         assert_eq!(poison.fault_addr(), p as usize + LEN / 2 + 5);
         assert_eq!(absorbed_faults(), before + 1);
-        assert_eq!(poison.wake.read().unwrap(), 1);
+        let mut count = 0u64;
+        // SAFETY: reads 8 bytes from the poison's non-blocking eventfd into a local u64.
+        let n = unsafe { libc::read(poison.wake_fd(), (&mut count as *mut u64).cast(), 8) };
+        assert_eq!((n, count), (8, 1));
         poison.reset();
         assert!(!poison.is_poisoned());
         drop(guard);
@@ -438,7 +442,7 @@ mod tests {
     }
 
     /// On hugetlbfs only whole huge pages can be remapped: the 4 KiB attempt fails and the
-    /// handler replaces the faulting huge page (the file's block size, found by fdcheck).
+    /// handler replaces the faulting huge page (the file's block size).
     /// Skipped when the machine has no free huge pages.
     #[test]
     fn shrunk_hugetlb_mapping_reads_zeroes_and_poisons() {
@@ -457,8 +461,6 @@ mod tests {
         // SAFETY: a fresh descriptor owned by nobody else.
         let f = unsafe { File::from_raw_fd(fd) };
         f.set_len(2 * HUGE as u64).unwrap();
-        let checked = crate::fdcheck::check_mappable(&f, "huge", 0, 2 * HUGE as u64).unwrap();
-        assert_eq!(checked.block_size, HUGE as u64);
         // SAFETY: a fresh shared mapping of our own memfd; checked below.
         let p = unsafe {
             libc::mmap(
@@ -476,7 +478,7 @@ mod tests {
         }
         let p = p.cast::<u8>();
         let poison = Poison::new().unwrap();
-        let guard = protect(p, 2 * HUGE, checked.block_size, &poison).unwrap();
+        let guard = protect(p, 2 * HUGE, HUGE as u64, &poison).unwrap();
         // SAFETY: inside the mapping, backed by the file (pages reserved at mmap).
         unsafe { p.write_volatile(1) };
         f.set_len(HUGE as u64).unwrap();
