@@ -8,6 +8,11 @@
 //! pool running blocking system calls (`pool.rs`), or inline `preadv`/`pwritev` on
 //! the submitting thread. [`IoMode::Auto`] (the default) probes io_uring once per device and falls
 //! back to the pool when the kernel (or a seccomp filter) refuses it.
+//!
+//! A file on tmpfs or ramfs opened without `O_DIRECT` is also mapped: in every mode, reads and
+//! writes of its allocated pages are copies through the mapping instead of system calls
+//! (`memfile.rs`: holes, discards and a file shrunk under the device keep their system-call
+//! behaviour).
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
@@ -20,6 +25,7 @@ use crate::file_io::{
     ioctl_int, ioctl_u64, is_memory_fs, FileInner, BLKGETSIZE64, BLKPBSZGET, BLKSSZGET,
 };
 use crate::inline::InlineChannel;
+use crate::memfile::MemFile;
 use crate::pool::PoolChannel;
 use crate::uring::{UringChannel, UringSupport};
 use crate::{BdevError, BlockDevice, DeviceInfo, IoChannel, ParseIoModeError};
@@ -163,6 +169,11 @@ impl FileDevice {
             optimal_io_size: 0,
         };
         let memory_backed = !is_blockdev && is_memory_fs(file.as_raw_fd());
+        let mem = if memory_backed && !opts.direct {
+            MemFile::open(&file, num_blocks * u64::from(block_size), !opts.read_only)
+        } else {
+            None
+        };
         Ok(FileDevice {
             inner: Arc::new(FileInner {
                 file,
@@ -172,6 +183,7 @@ impl FileDevice {
                 page_cache: !is_blockdev && !memory_backed && !opts.direct,
                 num_blocks: std::sync::atomic::AtomicU64::new(info.num_blocks),
                 info,
+                mem,
             }),
             mode: opts.mode,
             uring: OnceLock::new(),

@@ -9,6 +9,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 
 use crate::inline::InlineExec;
+use crate::memfile::MemFile;
 use crate::{BdevError, DeviceInfo, IoError, IoOp, IoRequest};
 
 #[derive(Debug)]
@@ -26,6 +27,9 @@ pub(crate) struct FileInner {
     pub(crate) info: DeviceInfo,
     /// Current capacity in blocks (changed by [`BlockDevice::rescan`]).
     pub(crate) num_blocks: std::sync::atomic::AtomicU64,
+    /// A file in memory opened without `O_DIRECT`: reads and writes of its allocated pages are
+    /// copies through this mapping (`memfile`).
+    pub(crate) mem: Option<MemFile>,
 }
 
 pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -111,6 +115,14 @@ impl FileInner {
 
     /// Deallocates or zeroes `[off, off+len)`.
     pub(crate) fn zero_range(&self, off: u64, len: u64, deallocate: bool) -> Result<(), IoError> {
+        match &self.mem {
+            // Either way the pages may be deallocated (tmpfs zeroes by punching a hole).
+            Some(m) => m.deallocating(off, len, || self.zero_range_raw(off, len, deallocate)),
+            None => self.zero_range_raw(off, len, deallocate),
+        }
+    }
+
+    fn zero_range_raw(&self, off: u64, len: u64, deallocate: bool) -> Result<(), IoError> {
         if len == 0 {
             return Ok(());
         }
@@ -133,7 +145,7 @@ impl FileInner {
             let errno = e.raw_os_error().unwrap_or(libc::EIO);
             if !deallocate && errno == libc::EOPNOTSUPP && !self.is_blockdev {
                 // Filesystems without ZERO_RANGE: punch a hole instead (reads back as zeroes).
-                return self.zero_range(off, len, true);
+                return self.zero_range_raw(off, len, true);
             }
             return Err(IoError::Errno(errno));
         }
@@ -147,76 +159,12 @@ impl FileInner {
     /// The buffers of `req` must be valid for the call.
     pub(crate) unsafe fn exec_blocking(&self, req: &IoRequest<'_>) -> Result<u64, IoError> {
         match req.op {
-            IoOp::Read | IoOp::Write => {
-                let mut done = 0u64;
-                let mut iov_idx = 0usize;
-                let mut skip = 0usize;
-                // Retry short transfers (signals, page-cache pressure) until complete or EOF.
-                while done < req.len {
-                    let mut tmp = [crate::iovec {
-                        iov_base: std::ptr::null_mut(),
-                        iov_len: 0,
-                    }; 1];
-                    let (ptr, cnt) = if skip == 0 {
-                        (req.iov[iov_idx..].as_ptr(), req.iov.len() - iov_idx)
-                    } else {
-                        let v = req.iov[iov_idx];
-                        // SAFETY: `skip < v.iov_len`, so the pointer stays inside the buffer.
-                        tmp[0].iov_base = unsafe { v.iov_base.cast::<u8>().add(skip).cast() };
-                        tmp[0].iov_len = v.iov_len - skip;
-                        (tmp.as_ptr(), 1)
-                    };
-                    let cnt = cnt.min(libc::UIO_MAXIOV as usize) as libc::c_int;
-                    let off = (req.offset + done) as libc::off_t;
-                    // SAFETY: `ptr` points to `cnt` iovecs describing caller buffers that are
-                    // valid for the call (the function's contract).
-                    let n = unsafe {
-                        if req.op == IoOp::Read {
-                            libc::preadv(self.fd(), ptr, cnt, off)
-                        } else {
-                            libc::pwritev(self.fd(), ptr, cnt, off)
-                        }
-                    };
-                    if n < 0 {
-                        let e = std::io::Error::last_os_error();
-                        if e.kind() == std::io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        return Err(IoError::Errno(e.raw_os_error().unwrap_or(libc::EIO)));
-                    }
-                    if n == 0 {
-                        if req.op == IoOp::Read {
-                            // Past the end of a file that shrank: the rest reads as zeroes.
-                            zero_tail(req, done, iov_idx, skip);
-                            return Ok(req.len);
-                        }
-                        return Err(IoError::Short {
-                            done,
-                            wanted: req.len,
-                        });
-                    }
-                    let mut n = n as usize;
-                    done += n as u64;
-                    while n > 0 && iov_idx < req.iov.len() {
-                        let left = req.iov[iov_idx].iov_len - skip;
-                        if n >= left {
-                            n -= left;
-                            iov_idx += 1;
-                            skip = 0;
-                        } else {
-                            skip += n;
-                            n = 0;
-                        }
-                    }
-                    if req.op == IoOp::Read && done < req.len && self.past_eof(req.offset + done) {
-                        // Short read ending at the end of a shrunk file: the rest reads as zeroes
-                        // (do not retry: with O_DIRECT an unaligned retry fails with EINVAL).
-                        zero_tail(req, done, iov_idx, skip);
-                        return Ok(req.len);
-                    }
-                }
-                Ok(done)
-            }
+            IoOp::Read | IoOp::Write => match &self.mem {
+                // SAFETY: forwarded contract (the request was validated by the channel).
+                Some(m) => unsafe { m.read_write(req, || self.read_write_blocking(req)) },
+                // SAFETY: forwarded contract.
+                None => unsafe { self.read_write_blocking(req) },
+            },
             IoOp::Flush => {
                 // SAFETY: fdatasync on an owned fd.
                 if unsafe { libc::fdatasync(self.fd()) } < 0 {
@@ -228,6 +176,82 @@ impl FileInner {
             IoOp::Discard => self.zero_range(req.offset, req.len, true).map(|_| 0),
             IoOp::WriteZeroes { unmap } => self.zero_range(req.offset, req.len, unmap).map(|_| 0),
         }
+    }
+
+    /// Executes a validated read or write with `preadv`/`pwritev`.
+    ///
+    /// # Safety
+    ///
+    /// The buffers of `req` must be valid for the call.
+    unsafe fn read_write_blocking(&self, req: &IoRequest<'_>) -> Result<u64, IoError> {
+        let mut done = 0u64;
+        let mut iov_idx = 0usize;
+        let mut skip = 0usize;
+        // Retry short transfers (signals, page-cache pressure) until complete or EOF.
+        while done < req.len {
+            let mut tmp = [crate::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 1];
+            let (ptr, cnt) = if skip == 0 {
+                (req.iov[iov_idx..].as_ptr(), req.iov.len() - iov_idx)
+            } else {
+                let v = req.iov[iov_idx];
+                // SAFETY: `skip < v.iov_len`, so the pointer stays inside the buffer.
+                tmp[0].iov_base = unsafe { v.iov_base.cast::<u8>().add(skip).cast() };
+                tmp[0].iov_len = v.iov_len - skip;
+                (tmp.as_ptr(), 1)
+            };
+            let cnt = cnt.min(libc::UIO_MAXIOV as usize) as libc::c_int;
+            let off = (req.offset + done) as libc::off_t;
+            // SAFETY: `ptr` points to `cnt` iovecs describing caller buffers that are
+            // valid for the call (the function's contract).
+            let n = unsafe {
+                if req.op == IoOp::Read {
+                    libc::preadv(self.fd(), ptr, cnt, off)
+                } else {
+                    libc::pwritev(self.fd(), ptr, cnt, off)
+                }
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(IoError::Errno(e.raw_os_error().unwrap_or(libc::EIO)));
+            }
+            if n == 0 {
+                if req.op == IoOp::Read {
+                    // Past the end of a file that shrank: the rest reads as zeroes.
+                    zero_tail(req, done, iov_idx, skip);
+                    return Ok(req.len);
+                }
+                return Err(IoError::Short {
+                    done,
+                    wanted: req.len,
+                });
+            }
+            let mut n = n as usize;
+            done += n as u64;
+            while n > 0 && iov_idx < req.iov.len() {
+                let left = req.iov[iov_idx].iov_len - skip;
+                if n >= left {
+                    n -= left;
+                    iov_idx += 1;
+                    skip = 0;
+                } else {
+                    skip += n;
+                    n = 0;
+                }
+            }
+            if req.op == IoOp::Read && done < req.len && self.past_eof(req.offset + done) {
+                // Short read ending at the end of a shrunk file: the rest reads as zeroes
+                // (do not retry: with O_DIRECT an unaligned retry fails with EINVAL).
+                zero_tail(req, done, iov_idx, skip);
+                return Ok(req.len);
+            }
+        }
+        Ok(done)
     }
 }
 

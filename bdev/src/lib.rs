@@ -17,6 +17,7 @@ pub mod file;
 mod file_io;
 mod inline;
 pub mod malloc;
+mod memfile;
 pub mod null;
 mod pool;
 pub mod qos;

@@ -20,7 +20,7 @@
 //!
 //! The handler takes no lock and allocates nothing: the registry is a fixed array of slots whose
 //! fields are atomics. A slot goes FREE → BUSY (being filled) → LIVE (visible to the handler)
-//! → BUSY (being emptied) → FREE. Handlers count themselves in [`ACTIVE`] before they read the
+//! → BUSY (being emptied) → FREE. Handlers count themselves in `ACTIVE` before they read the
 //! registry; a slot being emptied releases its reference on the poison only once no handler is
 //! running, so the handler never touches a freed poison.
 //!

@@ -11,7 +11,9 @@
 //! Two kinds of request skip the ring: reads and writes of files in memory (tmpfs, ramfs) up to
 //! 1 MiB, which io_uring would hand to its workers although they never block, and writes to
 //! page-cache files up to 256 KiB, which io_uring hands to its workers on ext4, while
-//! [`WriteGate`] sees them finish quickly. Both run on the submitting thread and complete at once.
+//! [`WriteGate`] sees them finish quickly. Both run on the submitting thread and complete at once
+//! (those in memory as copies through the file's mapping where its pages are allocated, see
+//! `memfile`). Discards and write-zeroes of a mapped file run inline too, under its lock.
 //!
 //! `poll` reaps CQEs without blocking. Short transfers are resubmitted from where they stopped
 //! (the slot's iovec copy is advanced in place); a read that stops at the end of a file that
@@ -606,7 +608,12 @@ impl IoChannel for UringChannel {
             IoOp::Flush => Kind::Flush,
             IoOp::Discard | IoOp::WriteZeroes { .. } => {
                 let dealloc = matches!(req.op, IoOp::Discard | IoOp::WriteZeroes { unmap: true });
-                if self.inner.is_blockdev || !self.support.fallocate || req.len == 0 {
+                // A mapped memory file deallocates under its lock (`memfile`): inline too.
+                if self.inner.is_blockdev
+                    || !self.support.fallocate
+                    || req.len == 0
+                    || self.inner.mem.is_some()
+                {
                     let result = self
                         .inner
                         .zero_range(req.offset, req.len, dealloc)

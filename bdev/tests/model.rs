@@ -1,13 +1,13 @@
 //! Property test: random sequences of reads, writes, discards, write-zeroes and flushes, issued
 //! concurrently in batches of non-overlapping requests, must behave like an in-memory byte array
-//! in every execution mode (buffered and `O_DIRECT`).
+//! in every execution mode (buffered, `O_DIRECT`, and on tmpfs through the device's mapping).
 
 // Test code: a panic is how a failure is reported (helpers sit outside `#[test]` functions).
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use common::{drain, make_dev, read_at, split_iov, submit, AlignedBuf, Rng};
+use common::{drain, make_dev, read_at, split_iov, submit, AlignedBuf, Backing, Rng};
 use katablk_bdev::file::IoMode;
 use katablk_bdev::{iovec, IoOp, IoRequest};
 use proptest::prelude::*;
@@ -74,8 +74,8 @@ struct Pending {
     expect: Option<Vec<u8>>,
 }
 
-fn run_model(mode: IoMode, direct: bool, ops: &[Op]) {
-    let Some(t) = make_dev(mode, direct, BLOCKS * BS) else {
+fn run_model(mode: IoMode, backing: impl Into<Backing>, ops: &[Op]) {
+    let Some(t) = make_dev(mode, backing, BLOCKS * BS) else {
         return;
     };
     let align = t.align();
@@ -229,5 +229,16 @@ proptest! {
     #[test]
     fn model_threads_direct(ops in proptest::collection::vec(op(), 1..80)) {
         run_model(IoMode::ThreadPool, true, &ops);
+    }
+
+    /// tmpfs: the device copies through its mapping wherever the pages are allocated.
+    #[test]
+    fn model_uring_memory(ops in proptest::collection::vec(op(), 1..80)) {
+        run_model(IoMode::IoUring, Backing::Memory, &ops);
+    }
+
+    #[test]
+    fn model_threads_memory(ops in proptest::collection::vec(op(), 1..80)) {
+        run_model(IoMode::ThreadPool, Backing::Memory, &ops);
     }
 }

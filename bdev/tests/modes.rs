@@ -1,5 +1,5 @@
-//! The file device in every execution mode (inline, io_uring, thread pool, auto), buffered and
-//! with `O_DIRECT`: data integrity, deep queues, flush/discard/write-zeroes, every rejection,
+//! The file device in every execution mode (inline, io_uring, thread pool, auto), buffered, with
+//! `O_DIRECT` and on tmpfs (copied through the device's mapping): data integrity, deep queues, flush/discard/write-zeroes, every rejection,
 //! back-pressure, reads past the end of a shrunk file, and dropping a channel with requests in
 //! flight.
 
@@ -16,8 +16,8 @@ use katablk_bdev::{iovec, BlockDevice, IoChannel, IoOp, IoRequest, SubmitError};
 
 const BS: u64 = 512;
 
-fn seed(mode: IoMode, direct: bool) -> u64 {
-    mode as u64 * 2 + u64::from(direct) + 1
+fn seed(mode: IoMode, backing: Backing) -> u64 {
+    mode as u64 * 3 + backing as u64 + 1
 }
 
 fn overlaps(ranges: &[(u64, u64)], off: u64, len: u64) -> bool {
@@ -26,15 +26,15 @@ fn overlaps(ranges: &[(u64, u64)], off: u64, len: u64) -> bool {
 
 /// Batches of random non-overlapping writes and reads (random offsets, sizes and iovec splits)
 /// checked against an in-memory copy, then a full read-back.
-fn random_rw_verify(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 8 << 20) else {
+fn random_rw_verify(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 8 << 20) else {
         return;
     };
     let size = t.size();
     let unit = t.align();
     let mut model = vec![0u8; size as usize];
     let mut ch = t.channel(16, 8);
-    let mut rng = Rng::new(seed(mode, direct));
+    let mut rng = Rng::new(seed(mode, backing));
     for round in 0..30 {
         let is_write = round % 3 != 2;
         let mut bufs: Vec<AlignedBuf> = Vec::new();
@@ -93,8 +93,8 @@ fn random_rw_verify(mode: IoMode, direct: bool) {
 }
 
 /// 64 writes, then 64 reads, all in flight at once (plus a flush in between), each reaped once.
-fn deep_queue(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 4 << 20) else {
+fn deep_queue(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 4 << 20) else {
         return;
     };
     const N: usize = 64;
@@ -184,8 +184,8 @@ fn deep_queue(mode: IoMode, direct: bool) {
 }
 
 /// Flush, discard, and write-zeroes with and without unmap (also several at once).
-fn flush_discard_write_zeroes(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 4 << 20) else {
+fn flush_discard_write_zeroes(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 4 << 20) else {
         return;
     };
     let info = t.dev.info();
@@ -246,8 +246,8 @@ fn flush_discard_write_zeroes(mode: IoMode, direct: bool) {
 }
 
 /// A read-only device refuses every modifying request at submission.
-fn read_only_rejected(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev_opts(mode, direct, 1 << 20, true) else {
+fn read_only_rejected(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev_opts(mode, backing, 1 << 20, true) else {
         return;
     };
     assert!(t.dev.info().read_only);
@@ -284,8 +284,8 @@ fn read_only_rejected(mode: IoMode, direct: bool) {
 }
 
 /// Out-of-range, misaligned and malformed requests are refused and never completed.
-fn range_and_alignment_rejected(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 1 << 20) else {
+fn range_and_alignment_rejected(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 1 << 20) else {
         return;
     };
     let size = t.size();
@@ -333,7 +333,7 @@ fn range_and_alignment_rejected(mode: IoMode, direct: bool) {
         Err(SubmitError::Misaligned { .. })
     ));
     let e = read(ch.as_mut(), 0, 100, &iov100);
-    if direct {
+    if backing.direct() {
         // The buffer length is checked against the O_DIRECT alignment first.
         assert_eq!(e, Err(SubmitError::BadBuffers));
     } else {
@@ -378,7 +378,7 @@ fn range_and_alignment_rejected(mode: IoMode, direct: bool) {
             iov_len: 256,
         },
     ];
-    if direct {
+    if backing.direct() {
         assert_eq!(t.align(), 512);
         assert_eq!(
             read(ch.as_mut(), 0, 512, &odd),
@@ -401,8 +401,8 @@ fn range_and_alignment_rejected(mode: IoMode, direct: bool) {
 }
 
 /// `depth` requests in flight make the next submission fail with `Full` until one is reaped.
-fn full_backpressure(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 1 << 20) else {
+fn full_backpressure(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 1 << 20) else {
         return;
     };
     let mut ch = t.channel(4, 1);
@@ -440,8 +440,8 @@ fn full_backpressure(mode: IoMode, direct: bool) {
 }
 
 /// Reads past the end of a file shrunk under the device return zeroes for the missing part.
-fn short_read_at_eof(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 1 << 20) else {
+fn short_read_at_eof(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 1 << 20) else {
         return;
     };
     let mut ch = t.channel(8, 4);
@@ -492,8 +492,8 @@ fn short_read_at_eof(mode: IoMode, direct: bool) {
 
 /// Dropping a channel with requests in flight finishes them first: writes land, and read buffers
 /// are filled before `drop` returns.
-fn drop_with_requests_in_flight(mode: IoMode, direct: bool) {
-    let Some(t) = make_dev(mode, direct, 2 << 20) else {
+fn drop_with_requests_in_flight(mode: IoMode, backing: Backing) {
+    let Some(t) = make_dev(mode, backing, 2 << 20) else {
         return;
     };
     const N: usize = 32;
@@ -550,22 +550,29 @@ macro_rules! matrix {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
             use katablk_bdev::file::IoMode;
+            use crate::common::Backing;
             #[test]
-            fn inline_buffered() { super::$name(IoMode::Inline, false) }
+            fn inline_buffered() { super::$name(IoMode::Inline, Backing::Buffered) }
             #[test]
-            fn inline_direct() { super::$name(IoMode::Inline, true) }
+            fn inline_direct() { super::$name(IoMode::Inline, Backing::Direct) }
             #[test]
-            fn uring_buffered() { super::$name(IoMode::IoUring, false) }
+            fn inline_memory() { super::$name(IoMode::Inline, Backing::Memory) }
             #[test]
-            fn uring_direct() { super::$name(IoMode::IoUring, true) }
+            fn uring_buffered() { super::$name(IoMode::IoUring, Backing::Buffered) }
             #[test]
-            fn threads_buffered() { super::$name(IoMode::ThreadPool, false) }
+            fn uring_direct() { super::$name(IoMode::IoUring, Backing::Direct) }
             #[test]
-            fn threads_direct() { super::$name(IoMode::ThreadPool, true) }
+            fn uring_memory() { super::$name(IoMode::IoUring, Backing::Memory) }
             #[test]
-            fn auto_buffered() { super::$name(IoMode::Auto, false) }
+            fn threads_buffered() { super::$name(IoMode::ThreadPool, Backing::Buffered) }
             #[test]
-            fn auto_direct() { super::$name(IoMode::Auto, true) }
+            fn threads_direct() { super::$name(IoMode::ThreadPool, Backing::Direct) }
+            #[test]
+            fn threads_memory() { super::$name(IoMode::ThreadPool, Backing::Memory) }
+            #[test]
+            fn auto_buffered() { super::$name(IoMode::Auto, Backing::Buffered) }
+            #[test]
+            fn auto_direct() { super::$name(IoMode::Auto, Backing::Direct) }
         }
     )*};
 }

@@ -5,8 +5,8 @@
 //! it serves). So every descriptor that is going to be mapped (`SET_MEM_TABLE`, `ADD_MEM_REG`,
 //! `SET_INFLIGHT_FD`) must be a regular file (a memfd, a tmpfs or hugetlbfs file, a plain file)
 //! whose size covers the mapped range `[offset, offset + size)`. What a frontend does to the
-//! file afterwards (shrinking it under a running queue) is caught by the crate's SIGBUS handler
-//! (module `sigbus`).
+//! file afterwards (shrinking it under a running queue) is caught by the SIGBUS handler
+//! (`katablk_bdev::sigbus`).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;

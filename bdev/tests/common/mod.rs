@@ -121,21 +121,65 @@ impl TestDev {
     }
 }
 
-/// Creates a `size`-byte device in `mode`. `O_DIRECT` files live under /var/tmp (tmpfs refuses
-/// `O_DIRECT`). Returns `None`, after printing why, when the combination cannot run here.
-pub fn make_dev(mode: IoMode, direct: bool, size: u64) -> Option<TestDev> {
-    make_dev_opts(mode, direct, size, false)
+/// Where a test device's file lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backing {
+    /// A file in the page cache (the temporary directory), no `O_DIRECT`.
+    Buffered,
+    /// A file under /var/tmp opened with `O_DIRECT` (tmpfs refuses it).
+    Direct,
+    /// A file on tmpfs (/dev/shm): the device maps it and copies through the mapping.
+    Memory,
+}
+
+impl Backing {
+    pub fn direct(self) -> bool {
+        self == Backing::Direct
+    }
+}
+
+impl From<bool> for Backing {
+    fn from(direct: bool) -> Self {
+        if direct {
+            Backing::Direct
+        } else {
+            Backing::Buffered
+        }
+    }
+}
+
+/// Creates a `size`-byte device in `mode`. Returns `None`, after printing why, when the
+/// combination cannot run here.
+pub fn make_dev(mode: IoMode, backing: impl Into<Backing>, size: u64) -> Option<TestDev> {
+    make_dev_opts(mode, backing, size, false)
 }
 
 /// Like [`make_dev`], optionally read-only.
-pub fn make_dev_opts(mode: IoMode, direct: bool, size: u64, read_only: bool) -> Option<TestDev> {
-    let file = if direct {
-        tempfile::Builder::new()
+pub fn make_dev_opts(
+    mode: IoMode,
+    backing: impl Into<Backing>,
+    size: u64,
+    read_only: bool,
+) -> Option<TestDev> {
+    let backing = backing.into();
+    let direct = backing.direct();
+    let file = match backing {
+        Backing::Direct => tempfile::Builder::new()
             .prefix("katablk-bdev-test")
             .tempfile_in("/var/tmp")
-            .unwrap()
-    } else {
-        tempfile::NamedTempFile::new().unwrap()
+            .unwrap(),
+        Backing::Buffered => tempfile::NamedTempFile::new().unwrap(),
+        Backing::Memory => {
+            let shm = std::path::Path::new("/dev/shm");
+            if !shm.is_dir() {
+                println!("skipped: no /dev/shm here");
+                return None;
+            }
+            tempfile::Builder::new()
+                .prefix("katablk-bdev-test")
+                .tempfile_in(shm)
+                .unwrap()
+        }
     };
     file.as_file().set_len(size).unwrap();
     let opts = FileOptions {
