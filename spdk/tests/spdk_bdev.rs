@@ -171,6 +171,83 @@ mod with_spdk {
         assert_eq!(&big[..4096], &pattern(0, 4096)[..]);
     }
 
+    /// The channel's eventfd: readable after completions, written once until cleared (a caller
+    /// that polls without sleeping never clears it), and written again after a clear.
+    fn notify_once_until_cleared(dev: &SpdkBdev) {
+        let mut ch = dev.open_channel(4, 1).unwrap();
+        let fd = ch.notify_fd().unwrap();
+        let count = |fd: i32| {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes from the non-blocking eventfd into a local u64.
+            let n = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+            if n == 8 {
+                // Put it back, so the channel's state is unchanged.
+                // SAFETY: writes 8 bytes from a local u64 to the same eventfd.
+                unsafe { libc::write(fd, (&v as *const u64).cast(), 8) };
+                v
+            } else {
+                0
+            }
+        };
+        let readable_within = |fd: i32, ms: i32| {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+        };
+        let mut buf = vec![0u8; 4096];
+        for _ in 0..3 {
+            let iov = [iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            }];
+            let req = IoRequest {
+                op: IoOp::Read,
+                offset: 0,
+                len: 4096,
+                iov: &iov,
+                token: 1,
+            };
+            // SAFETY: `buf` outlives the request, reaped below.
+            unsafe { ch.submit(&req) }.unwrap();
+            ch.commit().unwrap();
+            assert!(readable_within(fd, 5000), "no signal for a completion");
+            let mut out = Vec::new();
+            while out.is_empty() {
+                ch.poll(&mut out);
+            }
+        }
+        assert_eq!(
+            count(fd),
+            1,
+            "one write for three completions without a clear"
+        );
+        ch.clear_notify();
+        assert_eq!(count(fd), 0);
+        let iov = [iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        let req = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 4096,
+            iov: &iov,
+            token: 2,
+        };
+        // SAFETY: `buf` outlives the request, reaped below.
+        unsafe { ch.submit(&req) }.unwrap();
+        ch.commit().unwrap();
+        assert!(
+            readable_within(fd, 5000),
+            "not signalled again after the clear"
+        );
+        assert_eq!(reap(ch.as_mut(), 1)[0].result, Ok(4096));
+    }
+
     pub fn run() {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("aio.img");
@@ -250,6 +327,7 @@ mod with_spdk {
         assert_eq!(malloc.product(), "Malloc disk");
         assert_eq!(malloc.info().num_blocks, 32768);
         exercise(&malloc, "malloc");
+        notify_once_until_cleared(&malloc);
 
         let aio = SpdkBdev::open(t, "aio0", false).unwrap();
         assert_eq!(aio.product(), "AIO disk");

@@ -34,6 +34,9 @@ pub(super) struct ChanShared {
     done: Mutex<Vec<(u32, Result<u64, IoError>)>>,
     /// Completions were queued since the poller last signalled.
     pending_signal: AtomicBool,
+    /// `efd` was written and not cleared since: it is still readable, so the poller need not
+    /// write it again (a caller that polls without sleeping never clears it).
+    signalled: AtomicBool,
     efd: EventFd,
     closing: AtomicBool,
     bdev: Arc<BdevShared>,
@@ -144,7 +147,11 @@ impl SpdkSide {
         batch.clear();
         self.batch = batch;
         if self.shared.pending_signal.swap(false, Ordering::AcqRel) {
-            let _ = self.shared.efd.write(1);
+            // Queued before this swap; a `clear_notify` that swaps `signalled` back after it
+            // reads `true` here and so sees these completions in its next `poll`.
+            if !self.shared.signalled.swap(true, Ordering::SeqCst) {
+                let _ = self.shared.efd.write(1);
+            }
             busy = true;
         }
         busy
@@ -193,6 +200,7 @@ impl SpdkChannel {
             submit: Mutex::new(Vec::with_capacity(depth)),
             done: Mutex::new(Vec::with_capacity(depth)),
             pending_signal: AtomicBool::new(false),
+            signalled: AtomicBool::new(false),
             efd,
             closing: AtomicBool::new(false),
             bdev,
@@ -395,6 +403,10 @@ impl IoChannel for SpdkChannel {
     }
 
     fn clear_notify(&mut self) {
+        // Forget the signal before draining the descriptor: a poller pass after the swap writes
+        // the descriptor again, and one before it queued its completions ahead of its own swap
+        // of `signalled` (which this swap reads), so the next `poll` returns them.
+        self.shared.signalled.swap(false, Ordering::SeqCst);
         let _ = self.shared.efd.read();
     }
 }
