@@ -28,6 +28,7 @@
 //! does not map the file at all.
 
 use std::fs::File;
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -164,38 +165,32 @@ impl MemFile {
         }
     }
 
-    /// The pages overlapping `[off, off + len)` (non-empty, inside the mapping).
-    fn pages(&self, off: u64, len: u64) -> (usize, usize) {
-        let first = (off >> self.page_shift) as usize;
-        let last = ((off + len - 1) >> self.page_shift) as usize;
-        (first, last.min(self.bits.len() * 64 - 1))
+    /// The pages overlapping `[off, off + len)`, clipped to the mapping (empty when nothing of
+    /// the range is mapped).
+    fn pages(&self, off: u64, len: u64) -> Range<usize> {
+        let end = off.saturating_add(len).min(self.len as u64);
+        if end <= off {
+            return 0..0;
+        }
+        (off >> self.page_shift) as usize..((end - 1) >> self.page_shift) as usize + 1
     }
 
     fn all_marked(&self, off: u64, len: u64) -> bool {
-        let (first, last) = self.pages(off, len);
-        (first..=last).all(|p| self.bits[p / 64].load(Ordering::Acquire) & (1 << (p % 64)) != 0)
+        let mut pages = self.pages(off, len);
+        !pages.is_empty()
+            && pages.all(|p| self.bits[p / 64].load(Ordering::Acquire) & (1 << (p % 64)) != 0)
     }
 
     /// Records the pages overlapping `[off, off + len)` as allocated.
     fn mark(&self, off: u64, len: u64) {
-        if len == 0 || off >= self.len as u64 {
-            return;
-        }
-        let len = len.min(self.len as u64 - off);
-        let (first, last) = self.pages(off, len);
-        for p in first..=last {
+        for p in self.pages(off, len) {
             self.bits[p / 64].fetch_or(1 << (p % 64), Ordering::Release);
         }
     }
 
     /// Forgets the pages overlapping `[off, off + len)`.
     fn unmark(&self, off: u64, len: u64) {
-        if len == 0 || off >= self.len as u64 {
-            return;
-        }
-        let len = len.min(self.len as u64 - off);
-        let (first, last) = self.pages(off, len);
-        for p in first..=last {
+        for p in self.pages(off, len) {
             self.bits[p / 64].fetch_and(!(1 << (p % 64)), Ordering::Release);
         }
     }
