@@ -199,18 +199,18 @@ mod with_spdk {
             unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
         };
         let mut buf = vec![0u8; 4096];
+        let iov = [iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        let req = IoRequest {
+            op: IoOp::Read,
+            offset: 0,
+            len: 4096,
+            iov: &iov,
+            token: 1,
+        };
         for _ in 0..3 {
-            let iov = [iovec {
-                iov_base: buf.as_mut_ptr().cast(),
-                iov_len: buf.len(),
-            }];
-            let req = IoRequest {
-                op: IoOp::Read,
-                offset: 0,
-                len: 4096,
-                iov: &iov,
-                token: 1,
-            };
             // SAFETY: `buf` outlives the request, reaped below.
             unsafe { ch.submit(&req) }.unwrap();
             ch.commit().unwrap();
@@ -227,18 +227,7 @@ mod with_spdk {
         );
         ch.clear_notify();
         assert_eq!(count(fd), 0);
-        let iov = [iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        }];
-        let req = IoRequest {
-            op: IoOp::Read,
-            offset: 0,
-            len: 4096,
-            iov: &iov,
-            token: 2,
-        };
-        // SAFETY: `buf` outlives the request, reaped below.
+        // SAFETY: as above.
         unsafe { ch.submit(&req) }.unwrap();
         ch.commit().unwrap();
         assert!(
