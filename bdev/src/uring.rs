@@ -553,8 +553,7 @@ impl UringChannel {
         } else {
             self.submit_ring()?;
             // Reset first so a completion arriving after the check below still wakes us.
-            self.efd.clear();
-            self.efd_signalled = false;
+            self.clear_notify();
             self.reap();
             if self.done.is_empty() {
                 let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
