@@ -106,6 +106,33 @@ impl<'m> DescTable<'m> {
         }
     }
 
+    /// Starts loading descriptor `idx` into the cache (see [`crate::prefetch`]); nothing when
+    /// it is out of range or the table is not translated.
+    pub fn prefetch(&self, idx: u16) {
+        if let Some(p) = self.host.filter(|_| idx < self.size) {
+            crate::prefetch(
+                p.as_ptr()
+                    .wrapping_add(usize::from(idx) * DESC_SIZE as usize),
+            );
+        }
+    }
+
+    /// Starts loading the first buffer of the chain at `idx` (a request's header, or the
+    /// chain's indirect table): reads the descriptor, so it is best called once its line has
+    /// been prefetched. Nothing when the descriptor or its buffer is not readable.
+    pub fn prefetch_first_buffer(&self, idx: u16) {
+        if self.host.is_none() {
+            return;
+        }
+        if let Ok((addr, len, _, _)) = self.read(idx) {
+            if len > 0 {
+                if let Some(h) = crate::host_range(self.mem, addr, 1) {
+                    crate::prefetch(h);
+                }
+            }
+        }
+    }
+
     /// Descriptor `idx` (below `size`): address, length, flags, next.
     fn read(&self, idx: u16) -> Result<(u64, u32, u16, u16), ChainError> {
         if idx >= self.size {

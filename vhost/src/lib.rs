@@ -38,6 +38,21 @@ pub use server::{ServerHandle, VhostBlkServer};
 /// Guest memory as mapped by the backend.
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
 
+/// Asks the CPU to start loading the cache line at `p`: a hint, which never faults and changes
+/// nothing the program can see, whatever the address. The request path uses it to overlap the
+/// cache misses of a batch of chains (descriptors and headers the driver wrote on another core)
+/// instead of taking them one after the other.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 does not fault on any address (SSE is part of x86_64's baseline).
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Host address of guest range `[addr, addr + len)` when it lies inside one memory region (the
 /// usual case): one region lookup instead of vm-memory's slice iterators on the per-request
 /// path. `None` when the range is outside guest memory or spans regions (callers then take the

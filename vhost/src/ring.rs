@@ -168,6 +168,22 @@ impl<'m> RingView<'m> {
         }
     }
 
+    /// The head index `k` entries past `queue.next_avail()`, without taking it; `None` when
+    /// the ring is not translated. The caller has seen an available index covering it.
+    pub fn peek_head(&self, queue: &Queue, k: u16) -> Option<u16> {
+        let p = self.avail?;
+        let slot = u64::from(
+            queue
+                .next_avail()
+                .wrapping_add(k)
+                .checked_rem(queue.size())?,
+        );
+        // SAFETY: `slot` is below the queue size, so its entry lies inside the translated
+        // ring at an even offset.
+        let a = unsafe { Self::atomic_u16(p, RING_HEADER + slot * AVAIL_ELEM) };
+        Some(u16::from_le(a.load(Ordering::Relaxed)))
+    }
+
     /// Puts `head` with `len` bytes written in the used ring and publishes the used index
     /// (Release: the element and the request's data are visible before it).
     pub fn add_used(&self, queue: &mut Queue, head: u16, len: u32) -> Result<(), UsedError> {
@@ -275,6 +291,30 @@ mod tests {
         assert_eq!((e.id(), e.len()), (0, 1));
         assert!(rings.view(&m, &q).add_used(&mut q, 8, 1).is_err());
         assert_eq!(mq.used().idx().load(), 2);
+    }
+
+    #[test]
+    fn peeking_heads_takes_nothing() {
+        let m = mem();
+        let mq = MockSplitQueue::new(&*m, 8);
+        let descs: Vec<RawDescriptor> = (0..3)
+            .map(|i| RawDescriptor::from(SplitDescriptor::new(0x8_0000 + i * 0x100, 16, 0, 0)))
+            .collect();
+        mq.add_desc_chains(&descs, 0).unwrap();
+        let mut q: Queue = mq.create_queue().unwrap();
+        let mut rings = Rings::default();
+        let v = rings.view(&m, &q);
+        let peeked: Vec<Option<u16>> = (0..3).map(|k| v.peek_head(&q, k)).collect();
+        assert_eq!(peeked, [Some(0), Some(1), Some(2)]);
+        let table = v.desc_table(&q);
+        for k in 0..10 {
+            // Hints only, also out of range.
+            table.prefetch(k);
+            table.prefetch_first_buffer(k);
+        }
+        assert_eq!(q.next_avail(), 0);
+        assert_eq!(rings.view(&m, &q).pop_head(&mut q), Some(0));
+        assert_eq!(rings.view(&m, &q).peek_head(&q, 0), Some(1));
     }
 
     #[test]
