@@ -152,20 +152,13 @@ impl<'m> RingView<'m> {
     /// index past `queue.next_avail()` (with [`RingView::avail_idx`]). `None` when the entry
     /// is unreadable.
     pub fn pop_head(&self, queue: &mut Queue) -> Option<u16> {
-        let next = queue.next_avail();
-        let slot = u64::from(next.checked_rem(queue.size())?);
-        match self.avail {
-            Some(p) => {
-                // SAFETY: `slot` is below the queue size, so its entry lies inside the
-                // translated ring (header plus `size` two-byte entries) at an even offset.
-                let a = unsafe { Self::atomic_u16(p, RING_HEADER + slot * AVAIL_ELEM) };
-                // Ordered after the Acquire load of the index by the caller.
-                let head = u16::from_le(a.load(Ordering::Relaxed));
-                queue.set_next_avail(next.wrapping_add(1));
-                Some(head)
-            }
-            None => queue.pop_descriptor_chain(self.mem).map(|c| c.head_index()),
+        if self.avail.is_none() {
+            return queue.pop_descriptor_chain(self.mem).map(|c| c.head_index());
         }
+        // Ordered after the Acquire load of the index by the caller.
+        let head = self.peek_head(queue, 0)?;
+        queue.set_next_avail(queue.next_avail().wrapping_add(1));
+        Some(head)
     }
 
     /// The head index `k` entries past `queue.next_avail()`, without taking it; `None` when
@@ -266,15 +259,20 @@ mod tests {
         Arc::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap())
     }
 
-    #[test]
-    fn pops_heads_and_adds_used_like_virtio_queue() {
-        let m = mem();
-        let mq = MockSplitQueue::new(&*m, 8);
+    /// Three one-descriptor chains (heads 0, 1, 2) in `mq`, and its queue.
+    fn three_chains(mq: &MockSplitQueue<'_, GuestMem>) -> Queue {
         let descs: Vec<RawDescriptor> = (0..3)
             .map(|i| RawDescriptor::from(SplitDescriptor::new(0x8_0000 + i * 0x100, 16, 0, 0)))
             .collect();
         mq.add_desc_chains(&descs, 0).unwrap();
-        let mut q: Queue = mq.create_queue().unwrap();
+        mq.create_queue().unwrap()
+    }
+
+    #[test]
+    fn pops_heads_and_adds_used_like_virtio_queue() {
+        let m = mem();
+        let mq = MockSplitQueue::new(&*m, 8);
+        let mut q = three_chains(&mq);
         let mut rings = Rings::default();
         assert_eq!(Rings::default().view(&m, &q).avail_idx(&q), Some(3));
         let heads: Vec<u16> = (0..3)
@@ -297,11 +295,7 @@ mod tests {
     fn peeking_heads_takes_nothing() {
         let m = mem();
         let mq = MockSplitQueue::new(&*m, 8);
-        let descs: Vec<RawDescriptor> = (0..3)
-            .map(|i| RawDescriptor::from(SplitDescriptor::new(0x8_0000 + i * 0x100, 16, 0, 0)))
-            .collect();
-        mq.add_desc_chains(&descs, 0).unwrap();
-        let mut q: Queue = mq.create_queue().unwrap();
+        let mut q = three_chains(&mq);
         let mut rings = Rings::default();
         let v = rings.view(&m, &q);
         let peeked: Vec<Option<u16>> = (0..3).map(|k| v.peek_head(&q, k)).collect();
