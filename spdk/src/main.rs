@@ -70,6 +70,24 @@ struct Args {
     socket_mode: u32,
 }
 
+/// The queue-to-worker mapping of a controller on the reactors: one worker (SPDK thread) per
+/// core it may run on, its queues dealt round-robin. SPDK's vhost polls all of a controller's
+/// queues from one thread; a thread per queue would cost every reactor iteration a thread
+/// poll for each queue the driver leaves unused (measured with one core and two queues, one
+/// in use: 3.1M reactor iterations/s against 3.6-4.0M with one thread, 4k reads QD1).
+fn deal_queues(num_queues: u16, cores: usize) -> Vec<u64> {
+    if num_queues == 0 || num_queues > 64 {
+        // Out of range: the backend's own check of num_queues reports it.
+        return Vec::new();
+    }
+    let n = cores.clamp(1, usize::from(num_queues));
+    let mut masks = vec![0u64; n];
+    for q in 0..usize::from(num_queues) {
+        masks[q % n] |= 1 << q;
+    }
+    masks
+}
+
 fn parse_octal(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s.trim_start_matches("0o"), 8).map_err(|e| format!("{s}: {e}"))
 }
@@ -90,6 +108,8 @@ struct State {
     socket_dir: PathBuf,
     poll_us: u32,
     max_queues: u16,
+    /// Reactor cores of the application.
+    cores: usize,
     socket_mode: u32,
     ctrlrs: Mutex<BTreeMap<String, Controller>>,
 }
@@ -250,6 +270,16 @@ impl State {
             read_only: readonly,
             serial: ctrlr.chars().take(20).collect(),
             poll_us: self.poll_us,
+            queue_threads: if self.runtime.is_some() {
+                let cores = if cpus.is_empty() {
+                    self.cores
+                } else {
+                    cpus.len()
+                };
+                deal_queues(self.max_queues, cores)
+            } else {
+                Vec::new()
+            },
             cpus,
             runtime: self.runtime.clone(),
             ..Default::default()
@@ -404,6 +434,7 @@ fn main() -> Result<()> {
         socket_dir,
         poll_us: args.poll_us,
         max_queues: args.max_queues,
+        cores: app.cores().len(),
         socket_mode: args.socket_mode,
         ctrlrs: Mutex::new(BTreeMap::new()),
     });
@@ -450,5 +481,20 @@ fn wait_for_signal(st: &State) -> Result<()> {
         st.reap_removed();
         st.announce_resizes();
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deal_queues;
+
+    #[test]
+    fn queues_are_dealt_to_one_worker_per_core() {
+        assert_eq!(deal_queues(2, 1), vec![0b11]);
+        assert_eq!(deal_queues(4, 2), vec![0b0101, 0b1010]);
+        assert_eq!(deal_queues(2, 8), vec![0b01, 0b10]);
+        assert_eq!(deal_queues(64, 1), vec![u64::MAX]);
+        assert!(deal_queues(0, 1).is_empty());
+        assert!(deal_queues(65, 1).is_empty());
     }
 }
