@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::mpsc;
 
-use katablk_vhost::{WorkerJoin, WorkerRuntime, WorkerStep};
+use katablk_vhost::{StepResult, WorkerJoin, WorkerRuntime, WorkerStep};
 use tracing::{error, warn};
 
 use crate::thread::{exit_current, send_to_current, Poller, Thread};
@@ -73,8 +73,10 @@ impl WorkerRuntime for SpdkRuntime {
                     // process, every volume with it): a worker that panicked ends like one
                     // that exited, and its backend sees it gone.
                     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut step)) {
-                        Ok(true) => return true,
-                        Ok(false) => {}
+                        // Busy or idle in SPDK's accounting (thread_get_stats, spdk_top).
+                        Ok(StepResult::Busy) => return true,
+                        Ok(StepResult::Idle) => return false,
+                        Ok(StepResult::Exited) => {}
                         Err(_) => error!("queue worker panicked; its queues are stopped"),
                     }
                     // The worker exited: unregister and end the thread outside this callback.

@@ -349,7 +349,7 @@ mod with_spdk {
         // A queue worker polled by a reactor (SpdkRuntime): its channel lives on its SPDK thread
         // (no eventfd, no hand-off), requests complete as the thread polls.
         {
-            use katablk_vhost::WorkerRuntime;
+            use katablk_vhost::{StepResult, WorkerRuntime};
             let rt = katablk_spdk::runtime::SpdkRuntime::new(t, app.cores().to_vec());
             let dev = malloc.clone();
             let (res_tx, res_rx) = std::sync::mpsc::channel::<Result<(), String>>();
@@ -406,7 +406,7 @@ mod with_spdk {
                         s.done += s.ch.poll(&mut s.out);
                         if s.out.iter().any(|c| c.result != Ok(4096)) {
                             let _ = res_tx.send(Err(format!("{:?}", s.out)));
-                            return false;
+                            return StepResult::Exited;
                         }
                         if s.done == 16 && s.phase == 1 {
                             submit_all(s, IoOp::Read);
@@ -414,12 +414,12 @@ mod with_spdk {
                         } else if s.done == 16 {
                             let ok = s.rbuf == s.wbuf;
                             let _ = res_tx.send(if ok { Ok(()) } else { Err("data".into()) });
-                            return false;
+                            return StepResult::Exited;
                         }
                     }
-                    _ => return false,
+                    _ => return StepResult::Exited,
                 }
-                true
+                StepResult::Busy
             });
             let join = rt.spawn("test-worker".into(), Some(0), step).unwrap();
             let r = res_rx.recv_timeout(Duration::from_secs(30)).unwrap();

@@ -52,9 +52,20 @@ pub struct BlkOptions {
     pub qos: Option<std::sync::Arc<katablk_bdev::qos::Limiter>>,
 }
 
-/// One iteration of a queue worker: true while the worker lives, false once it has exited (the
-/// runtime must then stop calling it).
-pub type WorkerStep = Box<dyn FnMut() -> bool + Send>;
+/// What one iteration of a queue worker did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepResult {
+    /// It took, completed or refused requests.
+    Busy,
+    /// Nothing to do: a runtime that accounts busy and idle time (SPDK's pollers) counts the
+    /// step as idle.
+    Idle,
+    /// The worker has exited: the runtime must stop calling it.
+    Exited,
+}
+
+/// One iteration of a queue worker.
+pub type WorkerStep = Box<dyn FnMut() -> StepResult + Send>;
 
 /// An executor of queue workers other than katablk's own threads. The runtime calls the step
 /// function over and over (it must never block: requests complete by polling); the worker

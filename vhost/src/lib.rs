@@ -31,7 +31,7 @@ pub mod server;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use config::{BlkOptions, RuntimeHandle, WorkerJoin, WorkerRuntime, WorkerStep};
+pub use config::{BlkOptions, RuntimeHandle, StepResult, WorkerJoin, WorkerRuntime, WorkerStep};
 pub use katablk_bdev::BlockDevice;
 pub use server::{ServerHandle, VhostBlkServer};
 

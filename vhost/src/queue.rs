@@ -504,10 +504,10 @@ impl Worker {
         }
     }
 
-    /// One iteration under an external runtime; false once the worker has exited.
-    fn step(&mut self) -> bool {
-        let Some((snap, _)) = self.turn() else {
-            return false;
+    /// One iteration under an external runtime.
+    fn step(&mut self) -> crate::StepResult {
+        let Some((snap, progress)) = self.turn() else {
+            return crate::StepResult::Exited;
         };
         if self.exiting && self.queues.iter().all(|q| q.chan.in_flight() == 0) {
             for i in 0..self.queues.len() {
@@ -515,10 +515,14 @@ impl Worker {
                 self.notify(i, &snap.1);
             }
             self.queues.clear();
-            return false;
+            return crate::StepResult::Exited;
         }
         self.cached = Some(snap);
-        true
+        if progress {
+            crate::StepResult::Busy
+        } else {
+            crate::StepResult::Idle
+        }
     }
 
     fn run(&mut self) {
@@ -1567,6 +1571,27 @@ mod tests {
             let st = m.read_obj::<u8>(GuestAddress(0x80_0000 + r)).unwrap();
             assert_eq!(st, VIRTIO_BLK_S_OK as u8);
         }
+    }
+
+    /// A step tells its runtime whether it did anything: busy while it takes or completes
+    /// requests, idle on an empty ring, exited once it has finished.
+    #[test]
+    fn external_steps_report_busy_idle_and_exit() {
+        let gm = GuestMem::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap();
+        let mem = MemTable::new(gm);
+        let snap = mem.memory().into_inner();
+        let m = &*snap;
+        let mq = MockSplitQueue::new(m, 64);
+        mq.add_desc_chains(&reads(m, 3, 512), 0).unwrap();
+        let queue: Queue = mq.create_queue().unwrap();
+        let mut w = worker(&mem, false);
+        w.external = true;
+        w.start(vring(queue, None));
+        assert_eq!(w.step(), crate::StepResult::Busy);
+        assert_eq!(mq.used().idx().load(), 3);
+        assert_eq!(w.step(), crate::StepResult::Idle);
+        w.exiting = true;
+        assert_eq!(w.step(), crate::StepResult::Exited);
     }
 
     /// Under an external runtime the batch is not cut by bytes: eight 64 KiB reads (twice
