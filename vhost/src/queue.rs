@@ -885,7 +885,12 @@ impl Worker {
         if q.broken {
             return;
         }
-        let since = std::mem::replace(&mut q.signalled, q.ctx.queue.next_used());
+        let used = q.ctx.queue.next_used();
+        let since = std::mem::replace(&mut q.signalled, used);
+        if since == used {
+            // Nothing new in the used ring (most steps of a polling worker): no ring view.
+            return;
+        }
         if q.rings
             .view(mem, &q.ctx.queue)
             .needs_notification(&q.ctx.queue, since)
